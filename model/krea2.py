@@ -1,0 +1,511 @@
+"""The Krea 2 single-stream MMDiT in Flax NNX, equal in function to diffusers' `Krea2Transformer2DModel` (0.42.1).
+
+Read top to bottom: norm, rotary embedding, attention, SwiGLU, the text-fusion stage, the transformer block, the
+timestep and text embeddings, the final layer, then the model with its loading from disk. Attribute names follow
+diffusers', so a parameter's path in the module is its key in a diffusers checkpoint.
+
+Text conditioning arrives as a stack of hidden states tapped from several layers of the Qwen3-VL text encoder. The
+text-fusion stage collapses that layer axis and refines the tokens; the result joins the patchified image latents in
+one sequence processed by the blocks. The timestep conditions every block through one shared modulation vector plus a
+learned table per block.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from pathlib import Path
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from .layers import Linear
+from .loading import CheckpointError, config_from_dict, load_state, open_checkpoint, read_json
+
+AttentionImpl = Literal["xla", "cudnn"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Krea2Config:
+    """The transformer's config.json (diffusers names); defaults are the released Krea 2 model's."""
+
+    in_channels: int = 64
+    num_layers: int = 28
+    attention_head_dim: int = 128
+    num_attention_heads: int = 48
+    num_key_value_heads: int = 12
+    intermediate_size: int = 16384
+    timestep_embed_dim: int = 256
+    text_hidden_dim: int = 2560
+    num_text_layers: int = 12
+    text_num_attention_heads: int = 20
+    text_num_key_value_heads: int = 20
+    text_intermediate_size: int = 6912
+    num_layerwise_text_blocks: int = 2
+    num_refiner_text_blocks: int = 2
+    axes_dims_rope: tuple[int, int, int] = (32, 48, 48)
+    rope_theta: float = 1000.0
+    norm_eps: float = 1e-5
+
+    def __post_init__(self):
+        if sum(self.axes_dims_rope) != self.attention_head_dim:
+            raise ValueError(
+                f"sum(axes_dims_rope)={sum(self.axes_dims_rope)} must equal attention_head_dim={self.attention_head_dim}"
+            )
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"num_attention_heads={self.num_attention_heads} must be a multiple of "
+                f"num_key_value_heads={self.num_key_value_heads}"
+            )
+
+    @property
+    def hidden_size(self) -> int:
+        return self.attention_head_dim * self.num_attention_heads
+
+    @classmethod
+    def from_json(cls, path: str | Path) -> "Krea2Config":
+        return config_from_dict(cls, read_json(Path(path)), str(path))
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Building blocks
+
+
+class RMSNorm(nnx.Module):
+    """RMSNorm with a zero-centred scale (multiplier `1 + weight`), computed in float32 with a float32 weight, as in
+    the checkpoint format; the result is cast back to the input dtype."""
+
+    def __init__(self, dim: int, eps: float):
+        self.eps = eps
+        self.weight = nnx.Param(jnp.zeros((dim,), jnp.float32))
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x32 = x.astype(jnp.float32)
+        y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return (y * (1.0 + self.weight[...])).astype(x.dtype)
+
+
+def rotary_tables(position_ids: jax.Array, axes_dims: tuple[int, ...], theta: float) -> tuple[jax.Array, jax.Array]:
+    """cos and sin tables for 3-axis rotary embedding, each of shape `position_ids.shape[:-1] + (head_dim,)`.
+
+    Axis i of the position (t, h, w) rotates `axes_dims[i]` channels; each frequency is repeated for the two channels
+    of its (real, imaginary) pair, as in FLUX's `repeat_interleave_real` convention.
+    """
+    cos, sin = [], []
+    for i, dim in enumerate(axes_dims):
+        # Frequencies are static: computed in float64 on the host, like diffusers, then rounded to float32.
+        freqs = jnp.asarray(1.0 / theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim), jnp.float32)
+        angles = position_ids[..., i : i + 1].astype(jnp.float32) * freqs
+        cos.append(jnp.repeat(jnp.cos(angles), 2, axis=-1))
+        sin.append(jnp.repeat(jnp.sin(angles), 2, axis=-1))
+    return jnp.concatenate(cos, axis=-1), jnp.concatenate(sin, axis=-1)
+
+
+def apply_rotary(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """Rotate interleaved channel pairs of x (batch, seq, heads, head_dim) by tables of shape (seq, head_dim) or
+    (batch, seq, head_dim); computed in float32."""
+    real, imag = x[..., 0::2], x[..., 1::2]
+    rotated = jnp.stack([-imag, real], axis=-1).reshape(x.shape)
+    cos, sin = cos[..., None, :], sin[..., None, :]  # broadcast over heads
+    return (x.astype(jnp.float32) * cos + rotated.astype(jnp.float32) * sin).astype(x.dtype)
+
+
+class Attention(nnx.Module):
+    """Self-attention with grouped-query projections, per-head q/k RMSNorm, rotary embedding and a sigmoid output
+    gate: `to_out(attention(q, k, v) * sigmoid(to_gate(x)))`."""
+
+    def __init__(self, dim: int, num_heads: int, num_kv_heads: int, eps: float, *, dtype, rngs: nnx.Rngs):
+        if dim % num_heads:
+            raise ValueError(f"hidden size {dim} must be divisible by num_heads={num_heads}")
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, dim // num_heads
+        self.to_q = Linear(dim, num_heads * self.head_dim, bias=False, dtype=dtype, rngs=rngs)
+        self.to_k = Linear(dim, num_kv_heads * self.head_dim, bias=False, dtype=dtype, rngs=rngs)
+        self.to_v = Linear(dim, num_kv_heads * self.head_dim, bias=False, dtype=dtype, rngs=rngs)
+        self.to_gate = Linear(dim, dim, bias=False, dtype=dtype, rngs=rngs)
+        self.norm_q = RMSNorm(self.head_dim, eps)
+        self.norm_k = RMSNorm(self.head_dim, eps)
+        self.to_out = nnx.List([Linear(dim, dim, bias=False, dtype=dtype, rngs=rngs)])
+
+    def __call__(
+        self,
+        x: jax.Array,
+        rotary: tuple[jax.Array, jax.Array] | None = None,
+        kv_lengths: jax.Array | None = None,
+        implementation: AttentionImpl = "xla",
+    ) -> jax.Array:
+        """x: (batch, seq, dim). `kv_lengths` (batch,) int32: only the first kv_lengths[b] tokens are attended to as
+        keys (the caller orders padded tokens last). Returns (batch, seq, dim)."""
+        batch, seq, _ = x.shape
+        q = self.norm_q(self.to_q(x).reshape(batch, seq, self.num_heads, self.head_dim))
+        k = self.norm_k(self.to_k(x).reshape(batch, seq, self.num_kv_heads, self.head_dim))
+        v = self.to_v(x).reshape(batch, seq, self.num_kv_heads, self.head_dim)
+        if rotary is not None:
+            q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
+        # GQA without repeating K/V: query head n reads KV head n // (num_heads // num_kv_heads), which is what
+        # diffusers' repeat_interleave of the KV heads computes.
+        out = jax.nn.dot_product_attention(q, k, v, key_value_seq_lengths=kv_lengths, implementation=implementation)
+        out = out.reshape(batch, seq, -1) * jax.nn.sigmoid(self.to_gate(x))
+        return self.to_out[0](out)
+
+
+class SwiGLU(nnx.Module):
+    def __init__(self, dim: int, hidden_dim: int, *, dtype, rngs: nnx.Rngs):
+        self.gate = Linear(dim, hidden_dim, bias=False, dtype=dtype, rngs=rngs)
+        self.up = Linear(dim, hidden_dim, bias=False, dtype=dtype, rngs=rngs)
+        self.down = Linear(hidden_dim, dim, bias=False, dtype=dtype, rngs=rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.down(jax.nn.silu(self.gate(x)) * self.up(x))
+
+
+class TextFusionBlock(nnx.Module):
+    """Pre-norm transformer block without rotary embedding or time modulation."""
+
+    def __init__(self, dim: int, num_heads: int, num_kv_heads: int, intermediate: int, eps: float, *, dtype, rngs):
+        self.norm1 = RMSNorm(dim, eps)
+        self.norm2 = RMSNorm(dim, eps)
+        self.attn = Attention(dim, num_heads, num_kv_heads, eps, dtype=dtype, rngs=rngs)
+        self.ff = SwiGLU(dim, intermediate, dtype=dtype, rngs=rngs)
+
+    def __call__(self, x, kv_lengths=None, implementation: AttentionImpl = "xla"):
+        x = x + self.attn(self.norm1(x), kv_lengths=kv_lengths, implementation=implementation)
+        return x + self.ff(self.norm2(x))
+
+
+class TextFusion(nnx.Module):
+    """Collapses the stack of tapped text-encoder layers into one sequence of text features: `layerwise_blocks`
+    attend across the layer axis of each token, a linear `projector` collapses that axis, `refiner_blocks` attend
+    across the tokens."""
+
+    def __init__(self, cfg: Krea2Config, *, dtype, rngs: nnx.Rngs):
+        def block():
+            return TextFusionBlock(
+                cfg.text_hidden_dim, cfg.text_num_attention_heads, cfg.text_num_key_value_heads,
+                cfg.text_intermediate_size, cfg.norm_eps, dtype=dtype, rngs=rngs,
+            )
+
+        self.layerwise_blocks = nnx.List([block() for _ in range(cfg.num_layerwise_text_blocks)])
+        self.projector = Linear(cfg.num_text_layers, 1, bias=False, dtype=dtype, rngs=rngs)
+        self.refiner_blocks = nnx.List([block() for _ in range(cfg.num_refiner_text_blocks)])
+
+    def __call__(self, text: jax.Array, kv_lengths: jax.Array | None, implementation: AttentionImpl) -> jax.Array:
+        """text: (batch, seq, num_text_layers, dim) -> (batch, seq, dim)."""
+        batch, seq, layers, dim = text.shape
+        x = text.reshape(batch * seq, layers, dim)
+        for block in self.layerwise_blocks:
+            x = block(x)  # sequences of `layers` tokens: too short to be worth a fused kernel
+        x = self.projector(x.reshape(batch, seq, layers, dim).swapaxes(2, 3))[..., 0]
+        for block in self.refiner_blocks:
+            x = block(x, kv_lengths=kv_lengths, implementation=implementation)
+        return x
+
+
+class TransformerBlock(nnx.Module):
+    """Joint-sequence block: modulated RMSNorm -> gated attention, modulated RMSNorm -> SwiGLU, each added back
+    through its own gate. The six modulation vectors are the shared time vector plus this block's learned table."""
+
+    def __init__(self, cfg: Krea2Config, *, dtype, rngs: nnx.Rngs):
+        dim = cfg.hidden_size
+        self.scale_shift_table = nnx.Param(jnp.zeros((6, dim), dtype))
+        self.norm1 = RMSNorm(dim, cfg.norm_eps)
+        self.norm2 = RMSNorm(dim, cfg.norm_eps)
+        self.attn = Attention(dim, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.norm_eps, dtype=dtype, rngs=rngs)
+        self.ff = SwiGLU(dim, cfg.intermediate_size, dtype=dtype, rngs=rngs)
+
+    def __call__(self, x, temb_mod, rotary, kv_lengths, implementation: AttentionImpl):
+        """x: (batch, seq, dim); temb_mod: (batch, 1, 6 * dim)."""
+        batch = temb_mod.shape[0]
+        mod = temb_mod.reshape(batch, 1, 6, -1) + self.scale_shift_table[...]
+        prescale, preshift, pregate, postscale, postshift, postgate = (mod[:, :, i] for i in range(6))
+        attn = self.attn((1.0 + prescale) * self.norm1(x) + preshift, rotary, kv_lengths, implementation)
+        x = x + pregate * attn
+        return x + postgate * self.ff((1.0 + postscale) * self.norm2(x) + postshift)
+
+
+class TimestepEmbedding(nnx.Module):
+    """Cos-first sinusoidal embedding of 1000 * t, then a two-layer MLP. Output keeps a length-1 sequence axis."""
+
+    def __init__(self, embed_dim: int, dim: int, *, dtype, rngs: nnx.Rngs):
+        self.embed_dim = embed_dim
+        self.linear_1 = Linear(embed_dim, dim, bias=True, dtype=dtype, rngs=rngs)
+        self.linear_2 = Linear(dim, dim, bias=True, dtype=dtype, rngs=rngs)
+
+    def __call__(self, t: jax.Array, dtype) -> jax.Array:
+        """t: (batch,) in [0, 1] -> (batch, 1, dim)."""
+        half = self.embed_dim // 2
+        freqs = jnp.exp(-math.log(1e4) * jnp.arange(half, dtype=jnp.float32) / half)
+        args = (t.astype(jnp.float32) * 1e3)[:, None, None] * freqs
+        emb = jnp.concatenate([jnp.cos(args), jnp.sin(args)], axis=-1).astype(dtype)
+        return self.linear_2(jax.nn.gelu(self.linear_1(emb), approximate=True))
+
+
+class TextProjection(nnx.Module):
+    """RMSNorm, then a two-layer MLP from the text width to the transformer width."""
+
+    def __init__(self, text_dim: int, dim: int, eps: float, *, dtype, rngs: nnx.Rngs):
+        self.norm = RMSNorm(text_dim, eps)
+        self.linear_1 = Linear(text_dim, dim, bias=True, dtype=dtype, rngs=rngs)
+        self.linear_2 = Linear(dim, dim, bias=True, dtype=dtype, rngs=rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.linear_2(jax.nn.gelu(self.linear_1(self.norm(x)), approximate=True))
+
+
+class FinalLayer(nnx.Module):
+    """Adaptive RMSNorm modulated by the time embedding plus a learned (scale, shift) table, then the projection."""
+
+    def __init__(self, dim: int, out_channels: int, eps: float, *, dtype, rngs: nnx.Rngs):
+        self.scale_shift_table = nnx.Param(jnp.zeros((2, dim), dtype))
+        self.norm = RMSNorm(dim, eps)
+        self.linear = Linear(dim, out_channels, bias=True, dtype=dtype, rngs=rngs)
+
+    def __call__(self, x: jax.Array, temb: jax.Array) -> jax.Array:
+        mod = temb + self.scale_shift_table[...]  # (batch, 2, dim)
+        scale, shift = mod[:, 0:1], mod[:, 1:2]
+        return self.linear((1.0 + scale) * self.norm(x) + shift)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# The model
+
+
+class Krea2Transformer(nnx.Module):
+    """The Krea 2 flow-matching transformer: predicts the velocity of the packed image latents.
+
+    Call it as diffusers' forward: `model(hidden_states, encoder_hidden_states, timestep, position_ids,
+    encoder_attention_mask=None)`. Parameters are in `dtype` except the RMSNorm weights (float32); activations are
+    computed in `dtype`, normalisation and rotary embedding in float32.
+
+    `attention` picks the attention kernel: "xla" (any device and dtype) or "cudnn" (GPU, bfloat16/float16); None
+    chooses cuDNN on a GPU for 16-bit dtypes and XLA otherwise.
+    """
+
+    def __init__(
+        self,
+        config: Krea2Config,
+        *,
+        dtype: jnp.dtype = jnp.bfloat16,
+        attention: AttentionImpl | None = None,
+        rngs: nnx.Rngs,
+    ):
+        cfg = self.config = config
+        self.dtype = jnp.dtype(dtype)
+        if attention is None:
+            on_gpu = jax.default_backend() == "gpu"
+            attention = "cudnn" if on_gpu and self.dtype in (jnp.bfloat16, jnp.float16) else "xla"
+        if attention not in ("xla", "cudnn"):
+            raise ValueError(f"attention must be 'xla' or 'cudnn', got {attention!r}")
+        self.attention = attention
+        dim = cfg.hidden_size
+        self.img_in = Linear(cfg.in_channels, dim, bias=True, dtype=dtype, rngs=rngs)
+        self.time_embed = TimestepEmbedding(cfg.timestep_embed_dim, dim, dtype=dtype, rngs=rngs)
+        self.time_mod_proj = Linear(dim, 6 * dim, bias=True, dtype=dtype, rngs=rngs)
+        self.text_fusion = TextFusion(cfg, dtype=dtype, rngs=rngs)
+        self.txt_in = TextProjection(cfg.text_hidden_dim, dim, cfg.norm_eps, dtype=dtype, rngs=rngs)
+        self.transformer_blocks = nnx.List([TransformerBlock(cfg, dtype=dtype, rngs=rngs) for _ in range(cfg.num_layers)])
+        self.final_layer = FinalLayer(dim, cfg.in_channels, cfg.norm_eps, dtype=dtype, rngs=rngs)
+
+    def __call__(
+        self,
+        hidden_states: jax.Array,
+        encoder_hidden_states: jax.Array,
+        timestep: jax.Array,
+        position_ids: jax.Array,
+        encoder_attention_mask: jax.Array | None = None,
+    ) -> jax.Array:
+        """Predict the flow-matching velocity of the image tokens.
+
+        Args:
+            hidden_states: (batch, image_seq_len, in_channels) packed noisy latents.
+            encoder_hidden_states: (batch, text_seq_len, num_text_layers, text_hidden_dim) tapped text states.
+            timestep: (batch,) flow time in [0, 1] (1 is pure noise, 0 is clean data).
+            position_ids: (text_seq_len + image_seq_len, 3) (t, h, w) rotary coordinates of the `[text, image]`
+                sequence; text rows are zero in Krea 2.
+            encoder_attention_mask: (batch, text_seq_len) bool, True for real text tokens; None if all are real.
+
+        Returns:
+            (batch, image_seq_len, in_channels) velocity, in the model dtype.
+        """
+        if position_ids.ndim != 2 or position_ids.shape[-1] != 3:
+            raise ValueError(f"position_ids must have shape (sequence_length, 3), got {tuple(position_ids.shape)}")
+        batch, image_len, _ = hidden_states.shape
+        text_len = encoder_hidden_states.shape[1]
+        if position_ids.shape[0] != text_len + image_len:
+            raise ValueError(
+                f"position_ids has {position_ids.shape[0]} rows, expected text {text_len} + image {image_len}"
+            )
+        hidden_states = hidden_states.astype(self.dtype)
+        encoder_hidden_states = encoder_hidden_states.astype(self.dtype)
+        text_pos, image_pos = position_ids[:text_len], position_ids[text_len:]
+
+        # Padded text tokens must not be attended to. Attention is permutation-equivariant and every other operation
+        # acts per token, so instead of a (batch, 1, 1, seq) mask we move the real text tokens first and the padded
+        # ones last, carrying their rotary positions along, and give the kernels the number of real keys. cuDNN takes
+        # such lengths at full speed where it rejects a padding mask. The joint sequence is then [image, real text,
+        # padded text], and the image rows come out first, unpermuted.
+        text_kv_lengths = joint_kv_lengths = None
+        if encoder_attention_mask is not None:
+            mask = encoder_attention_mask.astype(bool)
+            order = jnp.argsort(~mask, axis=1, stable=True)  # real tokens first, each group in its original order
+            encoder_hidden_states = jnp.take_along_axis(encoder_hidden_states, order[:, :, None, None], axis=1)
+            text_pos = jnp.take(text_pos, order, axis=0)  # (batch, text_len, 3)
+            image_pos = jnp.broadcast_to(image_pos, (batch, *image_pos.shape))
+            text_kv_lengths = mask.sum(axis=1, dtype=jnp.int32)
+            joint_kv_lengths = text_kv_lengths + image_len
+
+        temb = self.time_embed(timestep, self.dtype)
+        temb_mod = self.time_mod_proj(jax.nn.gelu(temb, approximate=True))
+
+        text = self.text_fusion(encoder_hidden_states, text_kv_lengths, self.attention)
+        text = self.txt_in(text)
+        x = jnp.concatenate([self.img_in(hidden_states), text], axis=1)
+        rotary = rotary_tables(
+            jnp.concatenate([image_pos, text_pos], axis=-2), self.config.axes_dims_rope, self.config.rope_theta
+        )
+        for block in self.transformer_blocks:
+            x = block(x, temb_mod, rotary, joint_kv_lengths, self.attention)
+        return self.final_layer(x[:, :image_len], temb)
+
+    # ----------------------------------------------------------------------------------------------------------------
+    # Loading
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        path: str | Path,
+        dtype: jnp.dtype = jnp.bfloat16,
+        *,
+        config: Krea2Config | str | Path | None = None,
+        attention: AttentionImpl | None = None,
+    ) -> "Krea2Transformer":
+        """Load a Krea 2 transformer from local disk.
+
+        Args:
+            path: a diffusers `transformer/` folder (config.json with `diffusion_pytorch_model.safetensors`, or shards
+                with their `.index.json`), or a single `.safetensors` file with diffusers key names or the original
+                release's (as ComfyUI uses, optionally prefixed `model.diffusion_model.`).
+            dtype: parameter and compute dtype; RMSNorm weights stay float32.
+            config: for a single file, a `Krea2Config` or a config.json path; without it the sizes are read from
+                the tensor shapes and the rotary split, theta and eps are the released model's (head_dim 128 only).
+            attention: see the class docstring.
+        """
+        path = Path(path)
+        if isinstance(config, (str, Path)):
+            config = Krea2Config.from_json(config)
+        if path.is_dir() and config is None:
+            config = Krea2Config.from_json(path / "config.json")
+        checkpoint = open_checkpoint(path, "diffusion_pytorch_model")
+        original = any(_is_original_key(k) for k in checkpoint.keys())
+        rename = original_key_to_diffusers if original else _strip_prefix
+        if config is None:
+            config = _config_from_shapes({rename(k): checkpoint.shape(k) for k in checkpoint.keys()}, path)
+        return load_state(
+            lambda: cls(config, dtype=dtype, attention=attention, rngs=nnx.Rngs(0)),
+            checkpoint,
+            rename=rename,
+            reshape=_reshape_flat_modulation,
+            source=str(path),
+        )
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# The original single-file layout (ComfyUI), as diffusers' `convert_krea2_transformer_checkpoint_to_diffusers` maps it
+
+_COMFY_PREFIX = "model.diffusion_model."
+_ORIGINAL_PREFIXES = {
+    "first.": "img_in.",
+    "tmlp.0.": "time_embed.linear_1.",
+    "tmlp.2.": "time_embed.linear_2.",
+    "tproj.1.": "time_mod_proj.",
+    "txtmlp.0.scale": "txt_in.norm.weight",
+    "txtmlp.1.": "txt_in.linear_1.",
+    "txtmlp.3.": "txt_in.linear_2.",
+    "txtfusion.": "text_fusion.",
+    "blocks.": "transformer_blocks.",
+    "last.linear.": "final_layer.linear.",
+    "last.norm.scale": "final_layer.norm.weight",
+    "last.modulation.lin": "final_layer.scale_shift_table",
+}
+_ORIGINAL_BLOCK_NAMES = {
+    ".attn.wq.": ".attn.to_q.",
+    ".attn.wk.": ".attn.to_k.",
+    ".attn.wv.": ".attn.to_v.",
+    ".attn.wo.": ".attn.to_out.0.",
+    ".attn.gate.": ".attn.to_gate.",
+    ".attn.qknorm.qnorm.scale": ".attn.norm_q.weight",
+    ".attn.qknorm.knorm.scale": ".attn.norm_k.weight",
+    ".mlp.": ".ff.",
+    ".prenorm.scale": ".norm1.weight",
+    ".postnorm.scale": ".norm2.weight",
+    ".mod.lin": ".scale_shift_table",
+}
+
+
+def _strip_prefix(key: str) -> str:
+    return key[len(_COMFY_PREFIX) :] if key.startswith(_COMFY_PREFIX) else key
+
+
+def _is_original_key(key: str) -> bool:
+    key = _strip_prefix(key)
+    return key.startswith(("first.", "tmlp.", "tproj.", "txtmlp.", "txtfusion.", "blocks.", "last."))
+
+
+def original_key_to_diffusers(key: str) -> str:
+    """Map a key of the original Krea 2 release (ComfyUI's single file) to its diffusers name."""
+    key = _strip_prefix(key)
+    for old, new in _ORIGINAL_PREFIXES.items():
+        if key.startswith(old):
+            key = new + key[len(old) :]
+            break
+    for old, new in _ORIGINAL_BLOCK_NAMES.items():
+        key = key.replace(old, new)
+    return key
+
+
+def _reshape_flat_modulation(key: str, array: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+    # The original release stores each block's (6, dim) modulation table flattened; nothing else may be reshaped.
+    if key.endswith("scale_shift_table"):
+        return array.reshape(shape)
+    raise CheckpointError(f"{key}: checkpoint has shape {tuple(array.shape)}, model expects {shape}")
+
+
+def _config_from_shapes(shapes: dict[str, tuple[int, ...]], path: Path) -> Krea2Config:
+    """Read the sizes of a single-file checkpoint from its tensor shapes."""
+
+    def shape(key: str) -> tuple[int, ...]:
+        if key not in shapes:
+            raise CheckpointError(f"{path}: not a Krea 2 transformer checkpoint (no tensor {key!r})")
+        return shapes[key]
+
+    def count(prefix: str) -> int:
+        return len({k[len(prefix) :].split(".")[0] for k in shapes if k.startswith(prefix)})
+
+    hidden, in_channels = shape("img_in.weight")
+    head_dim = shape("transformer_blocks.0.attn.norm_q.weight")[0]
+    text_dim = shape("txt_in.norm.weight")[0]
+    text_head_dim = shape("text_fusion.refiner_blocks.0.attn.norm_q.weight")[0]
+    defaults = Krea2Config()
+    if head_dim != defaults.attention_head_dim:
+        raise CheckpointError(
+            f"{path}: head_dim {head_dim} differs from the released model's {defaults.attention_head_dim}; the rotary "
+            "split cannot be read from the weights, pass config= (a Krea2Config or a config.json path)"
+        )
+    return Krea2Config(
+        in_channels=in_channels,
+        num_layers=count("transformer_blocks."),
+        attention_head_dim=head_dim,
+        num_attention_heads=hidden // head_dim,
+        num_key_value_heads=shape("transformer_blocks.0.attn.to_k.weight")[0] // head_dim,
+        intermediate_size=shape("transformer_blocks.0.ff.gate.weight")[0],
+        timestep_embed_dim=shape("time_embed.linear_1.weight")[1],
+        text_hidden_dim=text_dim,
+        num_text_layers=shape("text_fusion.projector.weight")[1],
+        text_num_attention_heads=text_dim // text_head_dim,
+        text_num_key_value_heads=shape("text_fusion.refiner_blocks.0.attn.to_k.weight")[0] // text_head_dim,
+        text_intermediate_size=shape("text_fusion.refiner_blocks.0.ff.gate.weight")[0],
+        num_layerwise_text_blocks=count("text_fusion.layerwise_blocks."),
+        num_refiner_text_blocks=count("text_fusion.refiner_blocks."),
+    )

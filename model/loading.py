@@ -1,0 +1,220 @@
+"""Reading checkpoints from local disk: config.json into frozen dataclasses, and safetensors (one file, or shards with
+an index) streamed tensor by tensor into a Flax NNX module.
+
+Every model in `model/` loads through `load_state`: it builds the module abstractly (no memory), reads one tensor at
+a time from the safetensors files, puts it on the device and casts it there, so the host never holds a second copy of
+the whole model. Problems are reported all at once, naming the file and key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import typing
+import warnings
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any, TypeVar
+
+import jax
+import numpy as np
+from flax import nnx
+from safetensors import safe_open
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be loaded. The message names the file, key or setting at fault."""
+
+
+T = TypeVar("T")
+
+
+def read_json(path: Path) -> dict[str, Any]:
+    """Read a JSON object from `path`, with an error naming the file when it is missing or malformed."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: file not found") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{path}: not a readable JSON file ({e})") from None
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{path}: expected a JSON object, found {type(data).__name__}")
+    return data
+
+
+def config_from_dict(cls: type[T], data: Mapping[str, Any], source: str) -> T:
+    """Build the frozen config dataclass `cls` from a config.json dict.
+
+    Keys starting with `_` (`_class_name`, `_diffusers_version`, ...) are bookkeeping and skipped; other keys the
+    dataclass does not know are reported in a warning rather than silently dropped. Lists become tuples where the
+    field is a tuple, so configs stay hashable (they are static arguments of jitted functions).
+    """
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    hints = typing.get_type_hints(cls)
+    unknown = sorted(k for k in data if not k.startswith("_") and k not in fields)
+    if unknown:
+        warnings.warn(f"{source}: ignoring config keys that {cls.__name__} does not use: {unknown}", stacklevel=3)
+    kwargs = {}
+    for name, value in data.items():
+        if name not in fields:
+            continue
+        if isinstance(value, list) and typing.get_origin(hints[name]) is tuple:
+            value = tuple(value)
+        kwargs[name] = value
+    try:
+        return cls(**kwargs)
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"{source}: invalid {cls.__name__}: {e}") from None
+
+
+class SafetensorsCheckpoint:
+    """The tensors of one checkpoint, spread over one or several safetensors files, read lazily by key."""
+
+    def __init__(self, files: Sequence[Path]):
+        self.files = [Path(f) for f in files]
+        self._handles = {}
+        self._where: dict[str, Path] = {}
+        for file in self.files:
+            handle = self._open(file)
+            for key in handle.keys():
+                self._where[key] = file
+
+    def _open(self, file: Path):
+        if file not in self._handles:
+            if not file.is_file():
+                raise CheckpointError(f"{file}: file not found")
+            try:
+                self._handles[file] = safe_open(str(file), framework="numpy")
+            except Exception as e:  # safetensors raises its own error types for truncated or corrupt files
+                raise CheckpointError(f"{file}: not a readable safetensors file ({e})") from None
+        return self._handles[file]
+
+    def keys(self) -> list[str]:
+        return list(self._where)
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        return tuple(self._open(self._where[key]).get_slice(key).get_shape())
+
+    def get(self, key: str) -> np.ndarray:
+        file = self._where[key]
+        try:
+            return self._open(file).get_tensor(key)
+        except Exception as e:
+            raise CheckpointError(f"{file}: cannot read tensor {key!r} ({e})") from None
+
+
+def open_checkpoint(path: Path, weights_name: str) -> SafetensorsCheckpoint:
+    """Open `path`: a single `.safetensors` file, or a folder holding `{weights_name}.safetensors` or the shards named
+    by `{weights_name}.safetensors.index.json`."""
+    path = Path(path)
+    if path.is_file():
+        return SafetensorsCheckpoint([path])
+    if not path.is_dir():
+        raise CheckpointError(f"{path}: no such file or folder")
+    single = path / f"{weights_name}.safetensors"
+    index = path / f"{weights_name}.safetensors.index.json"
+    if single.is_file():
+        return SafetensorsCheckpoint([single])
+    if index.is_file():
+        weight_map = read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise CheckpointError(f"{index}: has no 'weight_map'")
+        shards = sorted(set(weight_map.values()))
+        missing = [s for s in shards if not (path / s).is_file()]
+        if missing:
+            raise CheckpointError(f"{index}: names shard files that are missing: {missing}")
+        checkpoint = SafetensorsCheckpoint([path / s for s in shards])
+        misplaced = [k for k, s in weight_map.items() if checkpoint._where.get(k) != path / s]
+        if misplaced:
+            raise CheckpointError(f"{index}: keys not found in the shard it names: {_listing(misplaced)}")
+        return checkpoint
+    raise CheckpointError(f"{path}: no weights found (expected {single.name} or {index.name})")
+
+
+def _listing(keys: Sequence[str], limit: int = 20) -> str:
+    keys = sorted(keys)
+    shown = ", ".join(keys[:limit])
+    return f"{shown} (and {len(keys) - limit} more)" if len(keys) > limit else shown
+
+
+def module_key(path: tuple[Any, ...]) -> str:
+    """The checkpoint key of an NNX variable path: ('transformer_blocks', 0, 'attn', 'to_q', 'weight') ->
+    'transformer_blocks.0.attn.to_q.weight'. Our modules use diffusers' attribute names, so this is the mapping."""
+    return ".".join(str(p) for p in path)
+
+
+def load_state(
+    build: Callable[[], nnx.Module],
+    checkpoint: SafetensorsCheckpoint,
+    *,
+    rename: Callable[[str], str] = lambda key: key,
+    reshape: Callable[[str, np.ndarray, tuple[int, ...]], np.ndarray] | None = None,
+    source: str = "checkpoint",
+) -> nnx.Module:
+    """Build the module returned by `build()` with its parameters read from `checkpoint`.
+
+    `build` is only traced (`nnx.eval_shape`), so no parameter memory is allocated before the checkpoint's tensors
+    arrive. `rename` maps a checkpoint key to the module's key (for layouts other than diffusers'); `reshape` may
+    reshape a tensor whose stored shape differs from the module's only by layout (same number of elements). Each
+    tensor goes to the device as stored and is cast there to the parameter's dtype (float32 for norm weights, the
+    model dtype for the rest, as the module declares them).
+    """
+    abstract = nnx.eval_shape(build)
+    graphdef, state = nnx.split(abstract)
+    flat = nnx.to_flat_state(state)
+    expected = {module_key(path): variable for path, variable in flat}
+
+    by_module_key: dict[str, str] = {}
+    for key in checkpoint.keys():
+        by_module_key.setdefault(rename(key), key)
+    missing = sorted(set(expected) - set(by_module_key))
+    unexpected = sorted(k for m, k in by_module_key.items() if m not in expected)
+    mismatched = []
+    for name, variable in expected.items():
+        if name not in by_module_key:
+            continue
+        stored, want = checkpoint.shape(by_module_key[name]), tuple(variable.get_value().shape)
+        if stored != want and not (reshape is not None and int(np.prod(stored)) == int(np.prod(want))):
+            mismatched.append(f"{by_module_key[name]}: checkpoint has shape {stored}, model expects {want}")
+    problems = []
+    if missing:
+        problems.append(f"missing keys ({len(missing)}): {_listing(missing)}")
+    if unexpected:
+        problems.append(f"unexpected keys ({len(unexpected)}): {_listing(unexpected)}")
+    if mismatched:
+        problems.append("shape mismatch: " + "; ".join(mismatched))
+    if problems:
+        raise CheckpointError(f"{source}: cannot load into {type(abstract).__name__}: " + " | ".join(problems))
+
+    for path, variable in flat:
+        name = module_key(path)
+        want = variable.get_value()
+        array = checkpoint.get(by_module_key[name])
+        if tuple(array.shape) != tuple(want.shape):
+            array = reshape(name, array, tuple(want.shape))
+        value = jax.device_put(array, may_alias=False)
+        if value.dtype != want.dtype:
+            value = value.astype(want.dtype)
+        variable.set_value(value)
+        del array
+    return nnx.merge(graphdef, nnx.from_flat_state(flat))
+
+
+def iter_params(module: nnx.Module) -> Iterator[tuple[str, jax.Array]]:
+    """(checkpoint key, value) for every parameter of `module`, in diffusers' naming."""
+    for path, variable in nnx.to_flat_state(nnx.state(module, nnx.Param)):
+        yield module_key(path), variable.get_value()
+
+
+def save_safetensors(tensors: Mapping[str, Any], path: Path, metadata: Mapping[str, str] | None = None) -> None:
+    """Write `tensors` to the safetensors file `path` atomically: to a temporary file beside it, then renamed, so an
+    existing file is never left half-written."""
+    from safetensors.numpy import save_file
+
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        save_file({k: np.ascontiguousarray(np.asarray(v)) for k, v in tensors.items()}, str(tmp), metadata=metadata)
+        tmp.replace(path)
+    finally:
+        tmp.unlink(missing_ok=True)

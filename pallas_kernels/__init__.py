@@ -1,0 +1,1 @@
+"""Pallas GPU kernels (block-scaled GEMM, INT8-QK attention), each beside its plain-jnp reference."""

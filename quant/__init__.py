@@ -1,0 +1,1 @@
+"""Low-precision number formats (FP8, OCP MX, NVFP4, INT8), model quantization by rules, and numerical gates."""

@@ -1,0 +1,207 @@
+"""Write the small reference fixtures under tests/fixtures/ with PyTorch (CPU) + diffusers.
+
+This is the only place that needs PyTorch: it builds tiny random models in the real checkpoint layouts (key names,
+shapes, config.json), runs the diffusers implementation on fixed inputs and saves inputs and outputs as .npz, so that
+the test suite compares against diffusers without importing it.
+
+    python3.11 -m venv /tmp/torch && /tmp/torch/bin/pip install torch==2.13.0 diffusers==0.42.1 transformers
+    /tmp/torch/bin/python scripts/make_fixtures.py            # rewrites tests/fixtures/
+
+Every parameter is random (norm scales and modulation tables included), so that a term that is silently wrong in our
+implementation cannot hide behind a zero or a one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import torch
+
+FIXTURES = Path(__file__).resolve().parent.parent / "tests" / "fixtures"
+
+# A tiny Krea 2 transformer: GQA with two query heads per KV head in the joint blocks, GQA in the text fusion blocks
+# too, a rotary split that exercises all three axes, and more than one block of each kind.
+KREA2_TINY_CONFIG = dict(
+    in_channels=16,
+    num_layers=2,
+    attention_head_dim=16,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    intermediate_size=48,
+    timestep_embed_dim=32,
+    text_hidden_dim=24,
+    num_text_layers=3,
+    text_num_attention_heads=4,
+    text_num_key_value_heads=2,
+    text_intermediate_size=40,
+    num_layerwise_text_blocks=2,
+    num_refiner_text_blocks=2,
+    axes_dims_rope=(4, 6, 6),
+    rope_theta=1000.0,
+    norm_eps=1e-5,
+)
+
+
+def _randomize(module: torch.nn.Module, generator: torch.Generator) -> None:
+    """Give every parameter a random value at a scale that keeps activations O(1)."""
+    with torch.no_grad():
+        for name, param in module.named_parameters():
+            noise = torch.randn(param.shape, generator=generator, dtype=torch.float32)
+            if name.endswith("scale_shift_table") or "norm" in name:
+                param.copy_(0.2 * noise)
+            elif name.endswith(".bias"):
+                param.copy_(0.05 * noise)
+            else:
+                fan_in = param.shape[-1] if param.ndim > 1 else 1
+                param.copy_(noise / np.sqrt(fan_in))
+
+
+def krea2_diffusers_to_original_key(key: str) -> str:
+    """Inverse of diffusers' `convert_krea2_transformer_checkpoint_to_diffusers` (the ComfyUI single-file names)."""
+    block_renames = {
+        ".attn.to_q.": ".attn.wq.",
+        ".attn.to_k.": ".attn.wk.",
+        ".attn.to_v.": ".attn.wv.",
+        ".attn.to_out.0.": ".attn.wo.",
+        ".attn.to_gate.": ".attn.gate.",
+        ".attn.norm_q.weight": ".attn.qknorm.qnorm.scale",
+        ".attn.norm_k.weight": ".attn.qknorm.knorm.scale",
+        ".ff.": ".mlp.",
+        ".norm1.weight": ".prenorm.scale",
+        ".norm2.weight": ".postnorm.scale",
+        ".scale_shift_table": ".mod.lin",
+    }
+    prefix_renames = {
+        "img_in.": "first.",
+        "time_embed.linear_1.": "tmlp.0.",
+        "time_embed.linear_2.": "tmlp.2.",
+        "time_mod_proj.": "tproj.1.",
+        "txt_in.norm.weight": "txtmlp.0.scale",
+        "txt_in.linear_1.": "txtmlp.1.",
+        "txt_in.linear_2.": "txtmlp.3.",
+        "text_fusion.": "txtfusion.",
+        "transformer_blocks.": "blocks.",
+        "final_layer.linear.": "last.linear.",
+        "final_layer.norm.weight": "last.norm.scale",
+        "final_layer.scale_shift_table": "last.modulation.lin",
+    }
+    for new, old in prefix_renames.items():
+        if key.startswith(new):
+            key = old + key[len(new) :]
+            break
+    if not key.startswith("last."):
+        for new, old in block_renames.items():
+            key = key.replace(new, old)
+    return key
+
+
+def write_krea2_transformer(out: Path) -> None:
+    from diffusers import Krea2Transformer2DModel
+    from diffusers.loaders.single_file_utils import convert_krea2_transformer_checkpoint_to_diffusers
+    from safetensors.torch import save_file
+
+    out.mkdir(parents=True, exist_ok=True)
+    generator = torch.Generator().manual_seed(0)
+    model = Krea2Transformer2DModel(**KREA2_TINY_CONFIG).eval()
+    _randomize(model, generator)
+
+    # The diffusers folder layout, a sharded copy of it (with its index), and the original single-file layout.
+    for name in ("tiny", "tiny_sharded"):
+        shutil.rmtree(out / name, ignore_errors=True)
+    model.save_pretrained(out / "tiny")
+    model.save_pretrained(out / "tiny_sharded", max_shard_size="40KB")
+    assert (out / "tiny_sharded" / "diffusion_pytorch_model.safetensors.index.json").exists()
+
+    state = {k: v.detach().clone().contiguous() for k, v in model.state_dict().items()}
+    original = {}
+    for key, value in state.items():
+        if key.startswith("transformer_blocks.") and key.endswith(".scale_shift_table"):
+            value = value.reshape(-1)  # the release stores the six modulation vectors flattened into one
+        original["model.diffusion_model." + krea2_diffusers_to_original_key(key)] = value.contiguous()
+    # The mapping must be exactly what diffusers' own single-file converter undoes.
+    round_trip = convert_krea2_transformer_checkpoint_to_diffusers(dict(original))
+    assert set(round_trip) == set(state), set(round_trip) ^ set(state)
+    for key in state:
+        assert torch.equal(round_trip[key], state[key]), key
+    save_file(original, str(out / "tiny_original.safetensors"))
+
+    # Reference inputs and outputs: batch 2 on a non-square 3x5 latent grid with 7 text tokens.
+    batch, text_len, grid_h, grid_w = 2, 7, 3, 5
+    cfg = KREA2_TINY_CONFIG
+    hidden = torch.randn(batch, grid_h * grid_w, cfg["in_channels"], generator=generator)
+    text = torch.randn(batch, text_len, cfg["num_text_layers"], cfg["text_hidden_dim"], generator=generator)
+    timestep = torch.tensor([0.83, 0.27])
+    image_ids = torch.zeros(grid_h, grid_w, 3)
+    image_ids[..., 0] = 2.0  # a non-zero frame coordinate exercises the first rotary axis too
+    image_ids[..., 1] = torch.arange(grid_h)[:, None]
+    image_ids[..., 2] = torch.arange(grid_w)[None, :]
+    position_ids = torch.cat([torch.zeros(text_len, 3), image_ids.reshape(-1, 3)], dim=0)
+    # Padding inside the sequence (as Krea 2's template pads in the middle), and a sample with no padding at all.
+    mask = torch.tensor([[1, 1, 0, 0, 1, 1, 0], [1, 1, 1, 1, 1, 1, 1]], dtype=torch.bool)
+
+    with torch.no_grad():
+        out_masked = model(hidden, text, timestep, position_ids, encoder_attention_mask=mask, return_dict=False)[0]
+        out_unmasked = model(hidden, text, timestep, position_ids, return_dict=False)[0]
+    np.savez(
+        out / "reference.npz",
+        hidden_states=hidden.numpy(),
+        encoder_hidden_states=text.numpy(),
+        timestep=timestep.numpy(),
+        position_ids=position_ids.numpy(),
+        encoder_attention_mask=mask.numpy(),
+        output_masked=out_masked.numpy(),
+        output_unmasked=out_unmasked.numpy(),
+    )
+    print(f"wrote Krea 2 transformer fixtures to {out}")
+
+
+# (num_inference_steps, image_seq_len, is_distilled): Turbo's fixed shift and Base's resolution-aware shift.
+SCHEDULER_CASES = [(8, 4096, True), (28, 4096, False), (28, 1024, False), (20, 6400, False), (4, 256, False),
+                   (50, 16384, False), (1, 4096, True)]
+
+
+def write_scheduler(out: Path) -> None:
+    from diffusers import FlowMatchEulerDiscreteScheduler
+    from diffusers.pipelines.krea2.pipeline_krea2 import calculate_shift, retrieve_timesteps
+
+    out.mkdir(parents=True, exist_ok=True)
+    scheduler = FlowMatchEulerDiscreteScheduler(
+        use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15, base_image_seq_len=256, max_image_seq_len=6400,
+        time_shift_type="exponential",
+    )
+    arrays = {}
+    for steps, seq_len, distilled in SCHEDULER_CASES:
+        # Exactly what Krea2Pipeline.__call__ does in its step 5.
+        sigmas = np.linspace(1.0, 1 / steps, steps)
+        mu = 1.15 if distilled else calculate_shift(seq_len, 256, 6400, 0.5, 1.15)
+        timesteps, _ = retrieve_timesteps(scheduler, steps, "cpu", sigmas=sigmas, mu=mu)
+        tag = f"{steps}_{seq_len}_{int(distilled)}"
+        arrays[f"timesteps_{tag}"] = timesteps.numpy()
+        arrays[f"sigmas_{tag}"] = scheduler.sigmas.numpy()
+        # One Euler step on a random sample, to pin the update rule too.
+        sample = torch.randn(2, 5, 4, generator=torch.Generator().manual_seed(steps))
+        velocity = torch.randn(2, 5, 4, generator=torch.Generator().manual_seed(steps + 1))
+        scheduler.set_begin_index(0)
+        arrays[f"euler_in_{tag}"] = sample.numpy()
+        arrays[f"euler_v_{tag}"] = velocity.numpy()
+        arrays[f"euler_out_{tag}"] = scheduler.step(velocity, timesteps[0], sample, return_dict=False)[0].numpy()
+    np.savez(out / "scheduler_reference.npz", **arrays)
+    (out / "scheduler_cases.json").write_text(json.dumps(SCHEDULER_CASES))
+    print(f"wrote scheduler fixtures to {out}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=FIXTURES)
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    write_krea2_transformer(args.out / "krea2")
+    write_scheduler(args.out / "scheduler")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""LoRA fine-tuning: adapters, optimizer, gradient accumulation, rematerialization, checkpoint and resume."""
