@@ -1,0 +1,242 @@
+"""Benchmarks on the GPU (not tests): seconds per Krea 2 denoising step, ours beside diffusers in the same run.
+
+    python scripts/benchmark.py krea2-step                      # full size, 1024x1024, JAX variants + diffusers
+    python scripts/benchmark.py krea2-step --num-layers 2 --no-diffusers   # a quick smoke run
+
+Weights are random (bf16); the shapes are the released model's: 4096 image tokens (1024x1024), 512 text tokens of
+which 120 are real (the padding mask). JAX is timed with many steps inside one jitted program (`lax.fori_loop`),
+diffusers with CUDA events after warm-up; both report the median over repeats. Diffusers runs in a subprocess so that
+the two frameworks never hold GPU memory at the same time. Results print as a table and, with --json, to a file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+
+def _krea2_inputs(cfg, height: int, width: int, text_len: int, valid_text: int, batch: int = 1, seed: int = 0):
+    """Random inputs of the pipeline's shapes, as numpy (float32 / bool)."""
+    rng = np.random.default_rng(seed)
+    grid_h, grid_w = height // 16, width // 16
+    hidden = rng.standard_normal((batch, grid_h * grid_w, cfg.in_channels), np.float32)
+    text = rng.standard_normal((batch, text_len, cfg.num_text_layers, cfg.text_hidden_dim), np.float32)
+    timestep = np.full((batch,), 0.7, np.float32)
+    image_ids = np.zeros((grid_h, grid_w, 3), np.float32)
+    image_ids[..., 1] = np.arange(grid_h)[:, None]
+    image_ids[..., 2] = np.arange(grid_w)[None, :]
+    position_ids = np.concatenate([np.zeros((text_len, 3), np.float32), image_ids.reshape(-1, 3)])
+    mask = np.zeros((batch, text_len), bool)
+    mask[:, :valid_text] = True
+    return hidden, text, timestep, position_ids, mask
+
+
+def _config(args):
+    from mxdit.model.krea2 import Krea2Config
+
+    cfg = Krea2Config()
+    return dataclasses.replace(cfg, num_layers=args.num_layers) if args.num_layers else cfg
+
+
+def _step_flops(cfg, image_len: int, text_len: int) -> float:
+    """Matrix-product FLOPs of one forward (linear layers + attention), for TFLOP/s figures."""
+    d, seq = cfg.hidden_size, image_len + text_len
+    kv = cfg.num_key_value_heads * cfg.attention_head_dim
+    per_token = 2 * (d * d * 3 + 2 * d * kv + 3 * d * cfg.intermediate_size)  # q, gate, out; k, v; SwiGLU
+    attention = 4 * seq * seq * d
+    return cfg.num_layers * (seq * per_token + attention)
+
+
+def jax_krea2_step(args) -> list[dict]:
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from mxdit.model.krea2 import Krea2Transformer
+
+    cfg = _config(args)
+    device = jax.devices()[0]
+    t0 = time.perf_counter()
+    model = Krea2Transformer(cfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+    jax.block_until_ready(nnx.state(model))
+    init_s = time.perf_counter() - t0
+    hidden, text, timestep, position_ids, mask = _krea2_inputs(cfg, args.height, args.width, args.text_len, args.valid_text)
+    hidden, text = jnp.asarray(hidden, jnp.bfloat16), jnp.asarray(text, jnp.bfloat16)
+    timestep, position_ids, mask = jnp.asarray(timestep), jnp.asarray(position_ids), jnp.asarray(mask)
+    flops = _step_flops(cfg, hidden.shape[1], text.shape[1])
+
+    results = []
+    for attention in args.jax_attention:
+        for masked in (True, False) if args.unmasked_too else (True,):
+            name = f"jax bf16, {attention} attention, {'masked' if masked else 'no mask'}"
+            model.attention = attention
+            graphdef, state = nnx.split(model)
+
+            @jax.jit
+            def steps(state, x, text, timestep, position_ids, mask, n):
+                m = nnx.merge(graphdef, state)
+
+                def body(_, x):  # feed the output back so no step can be skipped or hoisted
+                    return (x + 1e-3 * m(x, text, timestep, position_ids, mask)).astype(x.dtype)
+
+                return jax.lax.fori_loop(0, n, body, x)
+
+            row = {"name": name}
+            try:
+                call = lambda n: steps(state, hidden, text, timestep, position_ids, mask if masked else None, n)
+                t0 = time.perf_counter()
+                jax.block_until_ready(call(1))
+                row["compile_s"] = time.perf_counter() - t0
+                times = []
+                for _ in range(args.repeats):
+                    t0 = time.perf_counter()
+                    jax.block_until_ready(call(args.iters))
+                    times.append((time.perf_counter() - t0) / args.iters)
+                row["s_per_step"] = statistics.median(times)
+                row["spread"] = (max(times) - min(times)) / row["s_per_step"]
+                row["tflops"] = flops / row["s_per_step"] / 1e12
+            except Exception as e:  # record and go on with the other variants
+                row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
+            stats = device.memory_stats() or {}
+            row["peak_gb"] = stats.get("peak_bytes_in_use", 0) / 1e9
+            results.append(row)
+            print(json.dumps(row), flush=True)
+    print(json.dumps({"jax_init_s": init_s, "device": str(device)}), flush=True)
+    return results
+
+
+def diffusers_krea2_step(args) -> list[dict]:
+    """diffusers' Krea2Transformer2DModel eager (and torch.compile with --torch-compile), CUDA events."""
+    import torch
+    from diffusers import Krea2Transformer2DModel
+    from diffusers.models.transformers.transformer_krea2 import Krea2RMSNorm
+
+    cfg = _config(args)
+    torch.manual_seed(0)
+    torch.set_default_dtype(torch.bfloat16)
+    with torch.device("cuda"):
+        model = Krea2Transformer2DModel(**dataclasses.asdict(cfg)).eval()
+    torch.set_default_dtype(torch.float32)
+    for module in model.modules():  # as `_keep_in_fp32_modules` leaves them after from_pretrained
+        if isinstance(module, Krea2RMSNorm):
+            module.float()
+    hidden, text, timestep, position_ids, mask = _krea2_inputs(cfg, args.height, args.width, args.text_len, args.valid_text)
+    inputs = dict(
+        hidden_states=torch.from_numpy(hidden).cuda().bfloat16(),
+        encoder_hidden_states=torch.from_numpy(text).cuda().bfloat16(),
+        timestep=torch.from_numpy(timestep).cuda().bfloat16(),
+        position_ids=torch.from_numpy(position_ids).cuda(),
+        encoder_attention_mask=torch.from_numpy(mask).cuda(),
+        return_dict=False,
+    )
+    flops = _step_flops(cfg, hidden.shape[1], text.shape[1])
+
+    def timed(fn, name):
+        row = {"name": name}
+        try:
+            t0 = time.perf_counter()
+            with torch.inference_mode():
+                for _ in range(3):
+                    fn(**inputs)
+                torch.cuda.synchronize()
+                row["compile_s"] = time.perf_counter() - t0
+                times = []
+                for _ in range(args.repeats):
+                    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    start.record()
+                    for _ in range(args.iters):
+                        fn(**inputs)
+                    end.record()
+                    torch.cuda.synchronize()
+                    times.append(start.elapsed_time(end) / 1e3 / args.iters)
+            row["s_per_step"] = statistics.median(times)
+            row["spread"] = (max(times) - min(times)) / row["s_per_step"]
+            row["tflops"] = flops / row["s_per_step"] / 1e12
+        except Exception as e:
+            row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
+        row["peak_gb"] = torch.cuda.max_memory_allocated() / 1e9
+        print(json.dumps(row), flush=True)
+        return row
+
+    results = [timed(model, "diffusers eager bf16, masked")]
+    if args.torch_compile:
+        results.append(timed(torch.compile(model), "diffusers torch.compile bf16, masked"))
+    return results
+
+
+def krea2_step(args) -> None:
+    rows = []
+    if args.diffusers:
+        cmd = [sys.executable, __file__, "krea2-step-diffusers", *_forwarded(args)]
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=os.environ)
+        for line in proc.stdout.splitlines():
+            if line.startswith("{"):
+                rows.append(json.loads(line))
+        if args.json:
+            Path(args.json).with_suffix(".diffusers.log").write_text(proc.stderr)
+        if proc.returncode:
+            tail = " | ".join(proc.stderr.strip().splitlines()[-3:])[-600:] if proc.stderr else "failed"
+            rows.append({"name": "diffusers", "error": f"exit {proc.returncode}: {tail}"})
+    rows += jax_krea2_step(args)
+    _table(rows, f"Krea 2 step, {args.height}x{args.width}, text {args.text_len} ({args.valid_text} real)")
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
+
+
+def _forwarded(args) -> list[str]:
+    out = ["--height", str(args.height), "--width", str(args.width), "--text-len", str(args.text_len),
+           "--valid-text", str(args.valid_text), "--iters", str(args.iters), "--repeats", str(args.repeats)]
+    if args.num_layers:
+        out += ["--num-layers", str(args.num_layers)]
+    if args.torch_compile:
+        out.append("--torch-compile")
+    return out
+
+
+def _table(rows: list[dict], title: str) -> None:
+    print(f"\n{title}")
+    print(f"{'implementation':<44} {'s/step':>8} {'TFLOP/s':>8} {'peak GB':>8} {'warm-up s':>9}")
+    for r in rows:
+        if "name" not in r:
+            continue
+        if "error" in r:
+            print(f"{r['name']:<44} error: {r['error']}")
+            continue
+        print(f"{r['name']:<44} {r['s_per_step']:8.4f} {r['tflops']:8.0f} {r['peak_gb']:8.1f} {r['compile_s']:9.1f}")
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name in ("krea2-step", "krea2-step-diffusers"):
+        p = sub.add_parser(name)
+        p.add_argument("--height", type=int, default=1024)
+        p.add_argument("--width", type=int, default=1024)
+        p.add_argument("--text-len", type=int, default=512)
+        p.add_argument("--valid-text", type=int, default=120)
+        p.add_argument("--num-layers", type=int, default=None, help="fewer blocks, for a quick smoke run")
+        p.add_argument("--iters", type=int, default=10, help="steps per timed repeat")
+        p.add_argument("--repeats", type=int, default=3)
+        p.add_argument("--torch-compile", action="store_true", help="also time diffusers under torch.compile")
+        p.add_argument("--no-diffusers", dest="diffusers", action="store_false")
+        p.add_argument("--jax-attention", nargs="+", default=["cudnn"], choices=["cudnn", "xla"])
+        p.add_argument("--unmasked-too", action="store_true", help="also time the step without a text mask")
+        p.add_argument("--json", default=None, help="write the result rows to this file")
+    args = parser.parse_args(argv)
+    if args.command == "krea2-step":
+        krea2_step(args)
+    else:
+        diffusers_krea2_step(args)
+
+
+if __name__ == "__main__":
+    main()
