@@ -406,7 +406,7 @@ class Krea2Transformer(nnx.Module):
             lambda: cls(config, dtype=dtype, attention=attention, rngs=nnx.Rngs(0)),
             checkpoint,
             rename=rename,
-            reshape=_reshape_flat_modulation,
+            convert=_unflatten_modulation,
             source=str(path),
         )
 
@@ -465,11 +465,12 @@ def original_key_to_diffusers(key: str) -> str:
     return key
 
 
-def _reshape_flat_modulation(key: str, array: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
-    # The original release stores each block's (6, dim) modulation table flattened; nothing else may be reshaped.
-    if key.endswith("scale_shift_table"):
-        return array.reshape(shape)
-    raise CheckpointError(f"{key}: checkpoint has shape {tuple(array.shape)}, model expects {shape}")
+def _unflatten_modulation(key: str, shape: tuple[int, ...]):
+    # The original release stores each block's (6, dim) modulation table flattened into one vector.
+    if key.startswith("transformer_blocks.") and key.endswith(".scale_shift_table") and len(shape) == 1:
+        new_shape = (6, shape[0] // 6)
+        return new_shape, lambda array: array.reshape(new_shape)
+    return None
 
 
 def _config_from_shapes(shapes: dict[str, tuple[int, ...]], path: Path) -> Krea2Config:

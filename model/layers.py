@@ -29,3 +29,32 @@ class Linear(nnx.Module):
         if self.bias is not None:
             y = y + self.bias[...]
         return y
+
+
+class Conv2d(nnx.Module):
+    """2-D convolution on channels-last images (batch, height, width, channels), with PyTorch's weight layout
+    `(out_channels, in_channels, kh, kw)` so checkpoints stream in unchanged.
+
+    `padding` is an int (same on every side) or `((top, bottom), (left, right))`.
+    """
+
+    def __init__(self, in_channels: int, out_channels: int, kernel_size: int, *, stride: int = 1,
+                 padding: int | tuple[tuple[int, int], tuple[int, int]] = 0, dtype: jnp.dtype, rngs: nnx.Rngs):
+        fan_in = in_channels * kernel_size * kernel_size
+        self.weight = nnx.Param(
+            jax.random.normal(rngs.params(), (out_channels, in_channels, kernel_size, kernel_size), dtype) * fan_in**-0.5
+        )
+        self.bias = nnx.Param(jnp.zeros((out_channels,), dtype))
+        self.stride = stride
+        self.padding = ((padding, padding), (padding, padding)) if isinstance(padding, int) else padding
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        y = jax.lax.conv_general_dilated(
+            x, self.weight[...], (self.stride, self.stride), self.padding, dimension_numbers=("NHWC", "OIHW", "NHWC")
+        )
+        return y + self.bias[...]
+
+
+def upsample_nearest_2x(x: jax.Array) -> jax.Array:
+    """(batch, h, w, c) -> (batch, 2h, 2w, c), each pixel repeated 2x2 (nearest and nearest-exact agree at 2x)."""
+    return jnp.repeat(jnp.repeat(x, 2, axis=1), 2, axis=2)

@@ -143,21 +143,25 @@ def module_key(path: tuple[Any, ...]) -> str:
     return ".".join(str(p) for p in path)
 
 
+Convert = Callable[[str, tuple[int, ...]], "tuple[tuple[int, ...], Callable[[np.ndarray], np.ndarray]] | None"]
+
+
 def load_state(
     build: Callable[[], nnx.Module],
     checkpoint: SafetensorsCheckpoint,
     *,
     rename: Callable[[str], str] = lambda key: key,
-    reshape: Callable[[str, np.ndarray, tuple[int, ...]], np.ndarray] | None = None,
+    convert: Convert | None = None,
+    ignore: Callable[[str], bool] = lambda key: False,
     source: str = "checkpoint",
 ) -> nnx.Module:
     """Build the module returned by `build()` with its parameters read from `checkpoint`.
 
     `build` is only traced (`nnx.eval_shape`), so no parameter memory is allocated before the checkpoint's tensors
-    arrive. `rename` maps a checkpoint key to the module's key (for layouts other than diffusers'); `reshape` may
-    reshape a tensor whose stored shape differs from the module's only by layout (same number of elements). Each
-    tensor goes to the device as stored and is cast there to the parameter's dtype (float32 for norm weights, the
-    model dtype for the rest, as the module declares them).
+    arrive. `rename` maps a checkpoint key to the module's key (for layouts other than diffusers'). `convert(key,
+    stored_shape)` may return `(new_shape, fn)` for a tensor stored in another layout (a flattened table, a 3-D conv
+    kernel used in 2-D); `ignore(key)` marks checkpoint tensors the module deliberately does not use. Each tensor goes
+    to the device as stored and is cast there to the parameter's dtype (the module declares which stay float32).
     """
     abstract = nnx.eval_shape(build)
     graphdef, state = nnx.split(abstract)
@@ -168,14 +172,20 @@ def load_state(
     for key in checkpoint.keys():
         by_module_key.setdefault(rename(key), key)
     missing = sorted(set(expected) - set(by_module_key))
-    unexpected = sorted(k for m, k in by_module_key.items() if m not in expected)
-    mismatched = []
+    unexpected = sorted(k for m, k in by_module_key.items() if m not in expected and not ignore(m))
+    conversions, mismatched = {}, []
     for name, variable in expected.items():
         if name not in by_module_key:
             continue
-        stored, want = checkpoint.shape(by_module_key[name]), tuple(variable.get_value().shape)
-        if stored != want and not (reshape is not None and int(np.prod(stored)) == int(np.prod(want))):
-            mismatched.append(f"{by_module_key[name]}: checkpoint has shape {stored}, model expects {want}")
+        stored = checkpoint.shape(by_module_key[name])
+        shape, conversion = stored, None
+        if convert is not None and (converted := convert(name, stored)) is not None:
+            shape, conversion = converted
+        want = tuple(variable.get_value().shape)
+        if shape != want:
+            also = f" ({shape} after conversion)" if shape != stored else ""
+            mismatched.append(f"{by_module_key[name]}: checkpoint has shape {stored}{also}, model expects {want}")
+        conversions[name] = conversion
     problems = []
     if missing:
         problems.append(f"missing keys ({len(missing)}): {_listing(missing)}")
@@ -188,11 +198,11 @@ def load_state(
 
     for path, variable in flat:
         name = module_key(path)
-        want = variable.get_value()
         array = checkpoint.get(by_module_key[name])
-        if tuple(array.shape) != tuple(want.shape):
-            array = reshape(name, array, tuple(want.shape))
+        if conversions[name] is not None:
+            array = np.ascontiguousarray(conversions[name](array))
         value = jax.device_put(array, may_alias=False)
+        want = variable.get_value()
         if value.dtype != want.dtype:
             value = value.astype(want.dtype)
         variable.set_value(value)

@@ -194,6 +194,140 @@ def write_scheduler(out: Path) -> None:
     print(f"wrote scheduler fixtures to {out}")
 
 
+# Tiny VAEs with the released structure (four levels, 8x downsampling, two residual blocks a level) at small widths.
+QWENIMAGE_VAE_TINY_CONFIG = dict(base_dim=4, z_dim=16, dim_mult=[1, 2, 4, 4], num_res_blocks=2,
+                                 temperal_downsample=[False, True, True])
+FLUX_VAE_TINY_CONFIG = dict(
+    in_channels=3, out_channels=3, latent_channels=16, layers_per_block=2, norm_num_groups=4,
+    block_out_channels=[8, 8, 16, 16], down_block_types=["DownEncoderBlock2D"] * 4,
+    up_block_types=["UpDecoderBlock2D"] * 4, sample_size=64, scaling_factor=0.3611, shift_factor=0.1159,
+    use_quant_conv=False, use_post_quant_conv=False,
+)
+
+
+def qwenimage_vae_diffusers_to_original_key(key: str, num_res_blocks: int = 2) -> str:
+    """Inverse of diffusers' `convert_wan_vae_to_diffusers`: the Wan 2.1 layout of ComfyUI's single file."""
+    import re
+
+    residual = {"norm1.gamma": "residual.0.gamma", "conv1.": "residual.2.", "norm2.gamma": "residual.3.gamma",
+                "conv2.": "residual.6.", "conv_shortcut.": "shortcut."}
+
+    def rename_residual(rest: str) -> str:
+        for new, old in residual.items():
+            if rest.startswith(new):
+                return old + rest[len(new):]
+        return rest
+
+    for part in ("encoder", "decoder"):
+        if key.startswith(f"{part}.conv_in."):
+            return key.replace(f"{part}.conv_in.", f"{part}.conv1.")
+        if key.startswith(f"{part}.norm_out."):
+            return key.replace(f"{part}.norm_out.", f"{part}.head.0.")
+        if key.startswith(f"{part}.conv_out."):
+            return key.replace(f"{part}.conv_out.", f"{part}.head.2.")
+        if m := re.match(rf"{part}\.mid_block\.resnets\.(\d)\.(.*)", key):
+            return f"{part}.middle.{2 * int(m[1])}.{rename_residual(m[2])}"
+        if m := re.match(rf"{part}\.mid_block\.attentions\.0\.(.*)", key):
+            return f"{part}.middle.1.{m[1]}"
+    if m := re.match(r"encoder\.down_blocks\.(\d+)\.(.*)", key):
+        return f"encoder.downsamples.{m[1]}.{rename_residual(m[2])}"
+    per_block = num_res_blocks + 2  # residual blocks, then the resampler
+    if m := re.match(r"decoder\.up_blocks\.(\d+)\.resnets\.(\d+)\.(.*)", key):
+        return f"decoder.upsamples.{int(m[1]) * per_block + int(m[2])}.{rename_residual(m[3])}"
+    if m := re.match(r"decoder\.up_blocks\.(\d+)\.upsamplers\.0\.(.*)", key):
+        return f"decoder.upsamples.{int(m[1]) * per_block + per_block - 1}.{m[2]}"
+    return {"quant_conv.weight": "conv1.weight", "quant_conv.bias": "conv1.bias",
+            "post_quant_conv.weight": "conv2.weight", "post_quant_conv.bias": "conv2.bias"}[key]
+
+
+def flux_vae_diffusers_to_original_key(key: str, num_blocks: int = 4) -> str:
+    """Inverse of diffusers' `convert_ldm_vae_checkpoint`: the layout of FLUX's `ae.safetensors`."""
+    import re
+
+    key = key.replace("conv_shortcut", "nin_shortcut").replace("conv_norm_out", "norm_out")
+    if m := re.match(r"encoder\.down_blocks\.(\d+)\.resnets\.(\d+)\.(.*)", key):
+        return f"encoder.down.{m[1]}.block.{m[2]}.{m[3]}"
+    if m := re.match(r"encoder\.down_blocks\.(\d+)\.downsamplers\.0\.(.*)", key):
+        return f"encoder.down.{m[1]}.downsample.{m[2]}"
+    if m := re.match(r"decoder\.up_blocks\.(\d+)\.resnets\.(\d+)\.(.*)", key):
+        return f"decoder.up.{num_blocks - 1 - int(m[1])}.block.{m[2]}.{m[3]}"
+    if m := re.match(r"decoder\.up_blocks\.(\d+)\.upsamplers\.0\.(.*)", key):
+        return f"decoder.up.{num_blocks - 1 - int(m[1])}.upsample.{m[2]}"
+    if m := re.match(r"(encoder|decoder)\.mid_block\.resnets\.(\d)\.(.*)", key):
+        return f"{m[1]}.mid.block_{int(m[2]) + 1}.{m[3]}"
+    if m := re.match(r"(encoder|decoder)\.mid_block\.attentions\.0\.(.*)", key):
+        rest = {"group_norm": "norm", "to_q": "q", "to_k": "k", "to_v": "v", "to_out.0": "proj_out"}
+        name, _, param = m[2].rpartition(".")
+        return f"{m[1]}.mid.attn_1.{rest[name]}.{param}"
+    return key
+
+
+def _save_original(state: dict, convert_back, path: Path, to_original, reshape=lambda k, v: v) -> None:
+    """Write `state` in an original layout and check that diffusers' own converter maps it back exactly."""
+    from safetensors.torch import save_file
+
+    original = {to_original(k): reshape(k, v).contiguous() for k, v in state.items()}
+    assert len(original) == len(state), "two keys mapped to one"
+    back = convert_back(dict(original))
+    assert set(back) == set(state), set(back) ^ set(state)
+    for key in state:
+        assert torch.equal(back[key].reshape(state[key].shape), state[key]) and back[key].shape == state[key].shape, key
+    save_file(original, str(path))
+
+
+def write_vaes(out: Path) -> None:
+    from diffusers import AutoencoderKL, AutoencoderKLQwenImage
+    from diffusers.loaders.single_file_utils import convert_ldm_vae_checkpoint, convert_wan_vae_to_diffusers
+
+    out.mkdir(parents=True, exist_ok=True)
+    generator = torch.Generator().manual_seed(1)
+    qwen = AutoencoderKLQwenImage(**QWENIMAGE_VAE_TINY_CONFIG).eval()
+    flux = AutoencoderKL(**FLUX_VAE_TINY_CONFIG).eval()
+    for model in (qwen, flux):
+        _randomize(model, generator)
+        with torch.no_grad():  # GroupNorm/RMS scales near 1, so the activations stay O(1) through the depth
+            for name, param in model.named_parameters():
+                if name.endswith(("gamma", "norm1.weight", "norm2.weight", "norm.weight", "norm_out.weight")):
+                    param.add_(1.0)
+    for name, model in (("qwenimage_vae", qwen), ("flux_vae", flux)):
+        shutil.rmtree(out / name, ignore_errors=True)
+        model.save_pretrained(out / name)
+
+    qwen_state = {k: v.detach().clone() for k, v in qwen.state_dict().items()}
+    _save_original(qwen_state, convert_wan_vae_to_diffusers, out / "qwenimage_vae_original.safetensors",
+                   qwenimage_vae_diffusers_to_original_key)
+    flux_state = {k: v.detach().clone() for k, v in flux.state_dict().items()}
+    attention_conv = lambda k, v: v[:, :, None, None] if ".attentions." in k and v.ndim == 2 else v  # 1x1 convs there
+    _save_original(flux_state, lambda c: convert_ldm_vae_checkpoint(c, FLUX_VAE_TINY_CONFIG),
+                   out / "flux_vae_original.safetensors", flux_vae_diffusers_to_original_key, attention_conv)
+
+    # Odd-sized inputs: a 5x7 latent grid (40x56 pixels), batch 2; and a larger one for tiling with small tiles.
+    image = torch.rand(2, 3, 40, 56, generator=generator) * 2 - 1
+    latent = torch.randn(2, 16, 5, 7, generator=generator)
+    big_image = torch.rand(1, 3, 96, 112, generator=generator) * 2 - 1
+    big_latent = torch.randn(1, 16, 12, 14, generator=generator)
+    arrays = dict(image=image.numpy(), latent=latent.numpy(), big_image=big_image.numpy(), big_latent=big_latent.numpy())
+    with torch.no_grad():
+        arrays["qwen_encode_mean"] = qwen.encode(image[:, :, None]).latent_dist.mean[:, :, 0].numpy()
+        arrays["qwen_decode"] = qwen.decode(latent[:, :, None]).sample[:, :, 0].numpy()
+        arrays["flux_encode_mean"] = flux.encode(image).latent_dist.mean.numpy()
+        arrays["flux_decode"] = flux.decode(latent).sample.numpy()
+        arrays["qwen_decode_big"] = qwen.decode(big_latent[:, :, None]).sample[:, :, 0].numpy()
+        arrays["flux_decode_big"] = flux.decode(big_latent).sample.numpy()
+        arrays["qwen_encode_big"] = qwen.encode(big_image[:, :, None]).latent_dist.mean[:, :, 0].numpy()
+        arrays["flux_encode_big"] = flux.encode(big_image).latent_dist.mean.numpy()
+        # diffusers' own tiling with tiles small enough that the 96x112 image needs several of them
+        qwen.enable_tiling(tile_sample_min_height=64, tile_sample_min_width=64,
+                           tile_sample_stride_height=48, tile_sample_stride_width=48)
+        arrays["qwen_decode_big_tiled"] = qwen.decode(big_latent[:, :, None]).sample[:, :, 0].numpy()
+        arrays["qwen_encode_big_tiled"] = qwen.encode(big_image[:, :, None]).latent_dist.mean[:, :, 0].numpy()
+        flux.enable_tiling()  # its tile is config.sample_size (64 pixels here) with 25% overlap
+        arrays["flux_decode_big_tiled"] = flux.decode(big_latent).sample.numpy()
+        arrays["flux_encode_big_tiled"] = flux.tiled_encode(big_image).latent_dist.mean.numpy()
+    np.savez(out / "vae_reference.npz", **arrays)
+    print(f"wrote VAE fixtures to {out}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=FIXTURES)
@@ -201,6 +335,7 @@ def main() -> None:
     torch.manual_seed(0)
     write_krea2_transformer(args.out / "krea2")
     write_scheduler(args.out / "scheduler")
+    write_vaes(args.out / "vae")
 
 
 if __name__ == "__main__":

@@ -1,9 +1,7 @@
 """Krea 2 transformer: parity with diffusers' Krea2Transformer2DModel on the tiny random fixture (float32)."""
 
-import dataclasses
 import shutil
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest

@@ -1,0 +1,78 @@
+"""What the VAEs share: checks of their inputs, and tiled encoding and decoding so that large images go through a
+VAE in bounded memory.
+
+The input is cut into overlapping square tiles, each tile goes through the network alone (one compiled program per
+tile shape), and neighbouring outputs are cross-faded over `blend` rows and columns. This is diffusers' algorithm,
+kept exactly (including the order in which blended tiles feed the next blend), so our tiled output equals theirs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class Tiling:
+    """Tile side and stride in input pixels (or latents); `blend` and `keep` in output units: how many rows/columns
+    are cross-faded with the previous tile, and how many of each tile end up in the result."""
+
+    tile: int
+    stride: int
+    blend: int
+    keep: int
+
+
+def _blend(previous: jax.Array, current: jax.Array, extent: int, axis: int) -> jax.Array:
+    """Cross-fade the first `extent` rows (axis 1) or columns (axis 2) of `current` with the last ones of
+    `previous`: weight y / extent on the current tile at offset y."""
+    extent = min(previous.shape[axis], current.shape[axis], extent)
+    if extent == 0:
+        return current
+    weight = jnp.asarray(np.arange(extent) / extent, current.dtype)
+    weight = weight[:, None, None] if axis == 1 else weight[:, None]
+    tail = jax.lax.slice_in_dim(previous, previous.shape[axis] - extent, previous.shape[axis], axis=axis)
+    head = jax.lax.slice_in_dim(current, 0, extent, axis=axis)
+    blended = tail * (1 - weight) + head * weight
+    return jax.lax.dynamic_update_slice_in_dim(current, blended, 0, axis=axis)
+
+
+def tiled_apply(fn: Callable[[jax.Array], jax.Array], x: jax.Array, tiling: Tiling, out_size: tuple[int, int]) -> jax.Array:
+    """Apply `fn` (channels-last, batch first) tile by tile over `x` and blend the results; crop to `out_size`."""
+    height, width = x.shape[1], x.shape[2]
+    rows = [[fn(x[:, i : i + tiling.tile, j : j + tiling.tile]) for j in range(0, width, tiling.stride)]
+            for i in range(0, height, tiling.stride)]
+    result_rows = []
+    for i, row in enumerate(rows):
+        kept = []
+        for j in range(len(row)):
+            tile = row[j]
+            if i > 0:
+                tile = _blend(rows[i - 1][j], tile, tiling.blend, axis=1)
+            if j > 0:
+                tile = _blend(row[j - 1], tile, tiling.blend, axis=2)
+            row[j] = tile  # later blends read the already blended tile, as in diffusers
+            kept.append(tile[:, : tiling.keep, : tiling.keep])
+        result_rows.append(jnp.concatenate(kept, axis=2))
+    return jnp.concatenate(result_rows, axis=1)[:, : out_size[0], : out_size[1]]
+
+
+def check_images(images, channels: int, multiple: int) -> None:
+    """Raise a ValueError saying what was expected unless `images` is (batch, h, w, channels) with h and w multiples
+    of `multiple`."""
+    shape = tuple(np.shape(images))
+    if len(shape) != 4 or shape[-1] != channels:
+        raise ValueError(f"expected images of shape (batch, height, width, {channels}) in [-1, 1], got {shape}")
+    if shape[1] % multiple or shape[2] % multiple:
+        raise ValueError(f"image height and width must be multiples of {multiple}, got {shape[1]}x{shape[2]}")
+
+
+def check_latents(latents, channels: int) -> None:
+    """Raise a ValueError saying what was expected unless `latents` is (batch, h, w, channels)."""
+    shape = tuple(np.shape(latents))
+    if len(shape) != 4 or shape[-1] != channels:
+        raise ValueError(f"expected latents of shape (batch, height, width, {channels}) (channels last), got {shape}")
