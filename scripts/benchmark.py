@@ -1,7 +1,8 @@
-"""Benchmarks on the GPU (not tests): seconds per Krea 2 denoising step, ours beside diffusers in the same run.
+"""Benchmarks on the GPU (not tests): ours beside diffusers in the same run, each framework in its own process.
 
     python scripts/benchmark.py krea2-step                      # full size, 1024x1024, JAX variants + diffusers
     python scripts/benchmark.py krea2-step --num-layers 2 --no-diffusers   # a quick smoke run
+    python scripts/benchmark.py vae-decode                      # Qwen-Image and FLUX VAE decode, 1024 and 2048
 
 Weights are random (bf16); the shapes are the released model's: 4096 image tokens (1024x1024), 512 text tokens of
 which 120 are real (the padding mask). JAX is timed with many steps inside one jitted program (`lax.fori_loop`),
@@ -173,19 +174,131 @@ def diffusers_krea2_step(args) -> list[dict]:
     return results
 
 
-def krea2_step(args) -> None:
+def jax_vae_decode(args) -> list[dict]:
+    """Our VAE decodes with full-size random weights: tiled at the largest size first, so that the device's peak
+    memory after it is the tiled decode's own; then untiled at each size, whose footprint is read from the compiled
+    program. Run once per VAE, in its own process (`vae_decode` does)."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from mxdit.model.vae_flux import FluxVAE, FluxVAEConfig
+    from mxdit.model.vae_qwenimage import QwenImageVAE, QwenImageVAEConfig
+
+    classes = {"qwen": (QwenImageVAE, QwenImageVAEConfig), "flux": (FluxVAE, FluxVAEConfig)}
     rows = []
-    if args.diffusers:
-        cmd = [sys.executable, __file__, "krea2-step-diffusers", *_forwarded(args)]
-        proc = subprocess.run(cmd, capture_output=True, text=True, env=os.environ)
-        for line in proc.stdout.splitlines():
-            if line.startswith("{"):
-                rows.append(json.loads(line))
-        if args.json:
-            Path(args.json).with_suffix(".diffusers.log").write_text(proc.stderr)
-        if proc.returncode:
-            tail = " | ".join(proc.stderr.strip().splitlines()[-3:])[-600:] if proc.stderr else "failed"
-            rows.append({"name": "diffusers", "error": f"exit {proc.returncode}: {tail}"})
+    for name in args.vaes:
+        cls, config_cls = classes[name]
+        vae = cls(config_cls(), dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+        variants = [(max(args.sizes), True)] + [(size, False) for size in args.sizes]
+        for size, tiled in variants:
+            row = {"name": f"jax {name} VAE decode bf16, {size}x{size}{', tiled' if tiled else ''}"}
+            try:
+                latents = jax.random.normal(jax.random.key(0), (1, size // 8, size // 8, 16), jnp.bfloat16)
+                t0 = time.perf_counter()
+                jax.block_until_ready(vae.decode(latents, tiled=tiled))
+                row["compile_s"] = time.perf_counter() - t0
+                times = []
+                for _ in range(args.repeats):
+                    t0 = time.perf_counter()
+                    jax.block_until_ready(vae.decode(latents, tiled=tiled))
+                    times.append(time.perf_counter() - t0)
+                row["s"] = statistics.median(times)
+                if tiled:
+                    row["peak_gb"] = (jax.devices()[0].memory_stats() or {}).get("peak_bytes_in_use", 0) / 1e9
+                else:  # the compiled program's own footprint: weights, temporaries, output
+                    from mxdit.model import vae_flux, vae_qwenimage
+
+                    fn = (vae_qwenimage._decode_fn if name == "qwen" else vae_flux._decode_fn)
+                    mem = fn.lower(vae, latents).compile().memory_analysis()
+                    row["peak_gb"] = (mem.temp_size_in_bytes + mem.argument_size_in_bytes + mem.output_size_in_bytes) / 1e9
+            except Exception as e:
+                row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+        del vae
+    return rows
+
+
+def diffusers_vae_decode(args) -> list[dict]:
+    import torch
+    from diffusers import AutoencoderKL, AutoencoderKLQwenImage
+
+    rows = []
+    for name in args.vaes:
+        torch.set_default_dtype(torch.bfloat16)
+        with torch.device("cuda"):
+            if name == "qwen":
+                vae = AutoencoderKLQwenImage().eval()
+            else:
+                vae = AutoencoderKL(
+                    block_out_channels=(128, 256, 512, 512), down_block_types=("DownEncoderBlock2D",) * 4,
+                    up_block_types=("UpDecoderBlock2D",) * 4, layers_per_block=2, latent_channels=16,
+                    use_quant_conv=False, use_post_quant_conv=False, sample_size=1024).eval()
+        torch.set_default_dtype(torch.float32)
+        for size in args.sizes:
+            row = {"name": f"diffusers {name} VAE decode bf16, {size}x{size}"}
+            try:
+                shape = (1, 16, 1, size // 8, size // 8) if name == "qwen" else (1, 16, size // 8, size // 8)
+                latents = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
+                torch.cuda.reset_peak_memory_stats()
+                with torch.inference_mode():
+                    t0 = time.perf_counter()
+                    vae.decode(latents)
+                    torch.cuda.synchronize()
+                    row["compile_s"] = time.perf_counter() - t0
+                    times = []
+                    for _ in range(args.repeats):
+                        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                        start.record()
+                        vae.decode(latents)
+                        end.record()
+                        torch.cuda.synchronize()
+                        times.append(start.elapsed_time(end) / 1e3)
+                row["s"] = statistics.median(times)
+                row["peak_gb"] = torch.cuda.max_memory_allocated() / 1e9
+            except Exception as e:
+                row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+        del vae
+        torch.cuda.empty_cache()
+    return rows
+
+
+def vae_decode(args) -> None:
+    common = ["--sizes", *map(str, args.sizes), "--repeats", str(args.repeats)]
+    rows = _subprocess_rows(args, "vae-decode-diffusers", ["--vaes", *args.vaes, *common]) if args.diffusers else []
+    for name in args.vaes:
+        rows += _subprocess_rows(args, "vae-decode-jax", ["--vaes", name, *common])
+    print("\nVAE decode (random full-size weights, bf16). Peak GB: diffusers, max allocated; JAX tiled, device peak;"
+          " JAX untiled, the compiled program's weights + temporaries + output")
+    print(f"{'implementation':<52} {'seconds':>8} {'peak GB':>8} {'warm-up s':>9}")
+    for r in rows:
+        if "error" in r:
+            print(f"{r['name']:<52} error: {r['error']}")
+        else:
+            peak = f"{r['peak_gb']:8.2f}" if "peak_gb" in r else f"{'-':>8}"
+            print(f"{r['name']:<52} {r['s']:8.4f} {peak} {r['compile_s']:9.1f}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
+
+
+def _subprocess_rows(args, command: str, forwarded: list[str]) -> list[dict]:
+    """Run part of a benchmark in a subprocess (so frameworks and models never share GPU memory); its result rows."""
+    proc = subprocess.run([sys.executable, __file__, command, *forwarded], capture_output=True, text=True, env=os.environ)
+    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    if args.json:
+        with Path(args.json).with_suffix(f".{command}.log").open("a") as log:
+            log.write(f"$ {command} {' '.join(forwarded)}\n{proc.stderr}\n")
+    if proc.returncode:
+        tail = " | ".join(proc.stderr.strip().splitlines()[-3:])[-600:] if proc.stderr else "failed"
+        rows.append({"name": command, "error": f"exit {proc.returncode}: {tail}"})
+    return rows
+
+
+def krea2_step(args) -> None:
+    rows = _subprocess_rows(args, "krea2-step-diffusers", _forwarded(args)) if args.diffusers else []
     rows += jax_krea2_step(args)
     _table(rows, f"Krea 2 step, {args.height}x{args.width}, text {args.text_len} ({args.valid_text} real)")
     if args.json:
@@ -231,11 +344,17 @@ def main(argv=None) -> None:
         p.add_argument("--jax-attention", nargs="+", default=["cudnn"], choices=["cudnn", "xla"])
         p.add_argument("--unmasked-too", action="store_true", help="also time the step without a text mask")
         p.add_argument("--json", default=None, help="write the result rows to this file")
+    for name in ("vae-decode", "vae-decode-diffusers", "vae-decode-jax"):
+        p = sub.add_parser(name)
+        p.add_argument("--vaes", nargs="+", default=["qwen", "flux"], choices=["qwen", "flux"])
+        p.add_argument("--sizes", nargs="+", type=int, default=[1024, 2048], help="image sides in pixels")
+        p.add_argument("--repeats", type=int, default=5)
+        p.add_argument("--no-diffusers", dest="diffusers", action="store_false")
+        p.add_argument("--json", default=None)
     args = parser.parse_args(argv)
-    if args.command == "krea2-step":
-        krea2_step(args)
-    else:
-        diffusers_krea2_step(args)
+    commands = {"krea2-step": krea2_step, "krea2-step-diffusers": diffusers_krea2_step,
+                "vae-decode": vae_decode, "vae-decode-diffusers": diffusers_vae_decode, "vae-decode-jax": jax_vae_decode}
+    commands[args.command](args)
 
 
 if __name__ == "__main__":
