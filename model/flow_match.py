@@ -73,21 +73,3 @@ def euler_step(sample: jax.Array, velocity: jax.Array, sigma: jax.Array, sigma_n
     dt = jnp.asarray(sigma_next - sigma, jnp.float32).astype(velocity.dtype)
     return sample.astype(jnp.float32) + (dt * velocity).astype(jnp.float32)
 
-
-def euler_sample(velocity_fn, latents: jax.Array, sigmas: np.ndarray, timesteps: np.ndarray) -> jax.Array:
-    """Integrate the flow from `sigmas[0]` down to `sigmas[-1]` with Euler steps, as one `lax.fori_loop` (so a jitted
-    caller compiles the denoiser once, not once per step).
-
-    `velocity_fn(latents, t)` returns the velocity, with `t` of shape (batch,) the model time `timesteps[i] / 1000`
-    in float32, rounded exactly as diffusers' pipelines feed it. Latents are carried in float32 between steps and
-    given to `velocity_fn` in their input dtype.
-    """
-    sigmas = jnp.asarray(sigmas, jnp.float32)
-    model_time = jnp.asarray(np.asarray(timesteps, np.float32) / np.float32(NUM_TRAIN_TIMESTEPS))
-    dtype, batch = latents.dtype, latents.shape[0]
-
-    def body(i, x):
-        velocity = velocity_fn(x.astype(dtype), jnp.broadcast_to(model_time[i], (batch,)))
-        return euler_step(x, velocity, sigmas[i], sigmas[i + 1])
-
-    return jax.lax.fori_loop(0, len(timesteps), body, latents.astype(jnp.float32)).astype(dtype)

@@ -9,6 +9,7 @@ kept exactly (including the order in which blended tiles feed the next blend), s
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 
 import jax
@@ -27,6 +28,7 @@ class Tiling:
     keep: int
 
 
+@functools.partial(jax.jit, static_argnums=(2, 3))
 def _blend(previous: jax.Array, current: jax.Array, extent: int, axis: int) -> jax.Array:
     """Cross-fade the first `extent` rows (axis 1) or columns (axis 2) of `current` with the last ones of
     `previous`: weight y / extent on the current tile at offset y."""

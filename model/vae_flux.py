@@ -253,7 +253,7 @@ class FluxVAE(nnx.Module):
         check_images(images, self.config.in_channels, self.config.spatial_compression)
         images = jnp.asarray(images, self.dtype)
         r = self.config.spatial_compression
-        fn = lambda x: _encode_fn(self, x)
+        fn = nnx.cached_partial(_encode_fn, self)  # one graph traversal for all tiles
         if tiled:
             moments = tiled_apply(fn, images, self._tilings(tile_size)[0], (images.shape[1] // r, images.shape[2] // r))
         else:
@@ -270,7 +270,7 @@ class FluxVAE(nnx.Module):
         check_latents(latents, self.config.latent_channels)
         latents = jnp.asarray(latents, self.dtype)
         r = self.config.spatial_compression
-        fn = lambda z: _decode_fn(self, z)
+        fn = nnx.cached_partial(_decode_fn, self)
         if tiled:
             return tiled_apply(fn, latents, self._tilings(tile_size)[1], (latents.shape[1] * r, latents.shape[2] * r))
         return fn(latents)

@@ -237,9 +237,9 @@ class QwenImageVAE(nnx.Module):
         out_size = (images.shape[1] // r, images.shape[2] // r)
         if tiled:
             tiling = Tiling(tile=tile_size, stride=tile_stride, blend=(tile_size - tile_stride) // r, keep=tile_stride // r)
-            moments = tiled_apply(_encode_jit(self), images, tiling, out_size)
+            moments = tiled_apply(nnx.cached_partial(_encode_fn, self), images, tiling, out_size)
         else:
-            moments = _encode_jit(self)(images)
+            moments = _encode_fn(self, images)
         mean, logvar = jnp.split(moments, 2, axis=-1)
         return mean, jnp.clip(logvar, -30.0, 20.0)
 
@@ -256,9 +256,9 @@ class QwenImageVAE(nnx.Module):
         out_size = (latents.shape[1] * r, latents.shape[2] * r)
         if tiled:
             tiling = Tiling(tile=tile_size // r, stride=tile_stride // r, blend=tile_size - tile_stride, keep=tile_stride)
-            images = tiled_apply(_decode_jit(self), latents, tiling, out_size)
+            images = tiled_apply(nnx.cached_partial(_decode_fn, self), latents, tiling, out_size)
         else:
-            images = _decode_jit(self)(latents)
+            images = _decode_fn(self, latents)
         return jnp.clip(images, -1.0, 1.0)
 
     # -- loading -------------------------------------------------------------------------------------------------------
@@ -303,14 +303,6 @@ def _encode_fn(vae: QwenImageVAE, images: jax.Array) -> jax.Array:
 @nnx.jit
 def _decode_fn(vae: QwenImageVAE, latents: jax.Array) -> jax.Array:
     return vae.decoder(vae.post_quant_conv(latents))
-
-
-def _encode_jit(vae):
-    return lambda x: _encode_fn(vae, x)
-
-
-def _decode_jit(vae):
-    return lambda z: _decode_fn(vae, z)
 
 
 # --------------------------------------------------------------------------------------------------------------------

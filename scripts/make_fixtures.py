@@ -328,6 +328,92 @@ def write_vaes(out: Path) -> None:
     print(f"wrote VAE fixtures to {out}")
 
 
+QWEN3VL_TEXT_TINY = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=8, rms_norm_eps=1e-6, max_position_embeddings=256,
+                         rope_parameters={"rope_type": "default", "rope_theta": 5000.0, "mrope_section": [2, 1, 1],
+                                          "mrope_interleaved": True})
+QWEN3VL_VISION_TINY = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=32,
+                           patch_size=4, spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=16,
+                           deepstack_visual_indexes=[])
+# Taps include the last layer, so that whether the final norm applies there is pinned down too.
+KREA2_PIPELINE_TAPS = (1, 2, 4)
+PROMPTS = ["a red fox in the snow, photo", "an old house near the river at night"]
+
+
+def _load_tokenizer_module():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("mxdit_tokenizer", Path(__file__).parent.parent / "model" / "tokenizer.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def write_krea2_pipeline(out: Path) -> None:
+    from diffusers import AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, Krea2Pipeline, Krea2Transformer2DModel
+    from transformers import PreTrainedTokenizerFast, Qwen3VLConfig, Qwen3VLModel
+
+    folder = out / "tiny_pipeline"
+    shutil.rmtree(folder, ignore_errors=True)
+    _load_tokenizer_module().save_demo_tokenizer(folder / "tokenizer")
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(folder / "tokenizer")
+    generator = torch.Generator().manual_seed(2)
+
+    text_config = dict(QWEN3VL_TEXT_TINY, vocab_size=tokenizer.vocab_size)
+    text_encoder = Qwen3VLModel(Qwen3VLConfig(text_config=text_config, vision_config=QWEN3VL_VISION_TINY)).eval()
+    transformer = Krea2Transformer2DModel(**dict(
+        KREA2_TINY_CONFIG, in_channels=64, text_hidden_dim=32, num_text_layers=len(KREA2_PIPELINE_TAPS),
+        text_num_attention_heads=4,
+        text_num_key_value_heads=2)).eval()
+    vae = AutoencoderKLQwenImage(**QWENIMAGE_VAE_TINY_CONFIG).eval()
+    for model in (text_encoder, transformer, vae):
+        _randomize(model, generator)
+    with torch.no_grad():
+        for name, param in list(text_encoder.named_parameters()) + list(vae.named_parameters()):
+            if name.endswith(("norm.weight", "layernorm.weight", "gamma")):
+                param.add_(1.0)  # standard (not zero-centred) norms: scales near 1
+    scheduler = FlowMatchEulerDiscreteScheduler(
+        use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15, base_image_seq_len=256, max_image_seq_len=6400)
+    pipe = Krea2Pipeline(scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer,
+                         transformer=transformer, text_encoder_select_layers=KREA2_PIPELINE_TAPS)
+    pipe.save_pretrained(folder)
+
+    # Which hidden state is the last one? (transformers returns the normed output there.)
+    ids = tokenizer(PROMPTS, return_tensors="pt", padding=True)
+    with torch.no_grad():
+        outputs = text_encoder(**ids, output_hidden_states=True)
+    assert len(outputs.hidden_states) == QWEN3VL_TEXT_TINY["num_hidden_layers"] + 1
+    last_is_normed = bool(torch.allclose(outputs.hidden_states[-1], outputs.last_hidden_state))
+
+    max_len, height, width = 24, 64, 48
+    arrays = {"last_hidden_state_is_normed": np.array(last_is_normed)}
+    with torch.no_grad():
+        embeds, mask = pipe.get_text_hidden_states(PROMPTS, max_sequence_length=max_len, device="cpu")
+        arrays.update(prompt_embeds=embeds.numpy(), prompt_mask=mask.numpy())
+        neg, neg_mask = pipe.get_text_hidden_states(["blurry"], max_sequence_length=max_len, device="cpu")
+        arrays.update(negative_embeds=neg.numpy(), negative_mask=neg_mask.numpy())
+        # Base: CFG with a negative prompt, dynamic shift; latents as the pipeline packs them.
+        seq, channels = (height // 16) * (width // 16), transformer.config.in_channels
+        latents = torch.randn(2, seq, channels, generator=generator)
+        base = pipe(prompt=PROMPTS, negative_prompt="blurry", height=height, width=width, num_inference_steps=4,
+                    guidance_scale=4.5, latents=latents.clone(), max_sequence_length=max_len, output_type="latent")
+        arrays.update(base_latents_in=latents.numpy(), base_latents_out=base.images.numpy())
+        images = pipe(prompt=PROMPTS, negative_prompt="blurry", height=height, width=width, num_inference_steps=4,
+                      guidance_scale=4.5, latents=latents.clone(), max_sequence_length=max_len, output_type="np")
+        arrays.update(base_images=images.images)
+        # Turbo: the distilled schedule (fixed shift), no CFG, two images of one prompt.
+        turbo_pipe = Krea2Pipeline(scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer,
+                                   transformer=transformer, text_encoder_select_layers=KREA2_PIPELINE_TAPS,
+                                   is_distilled=True)
+        latents = torch.randn(2, seq, channels, generator=generator)
+        turbo = turbo_pipe(prompt=PROMPTS[0], height=height, width=width, num_inference_steps=3, guidance_scale=0.0,
+                           num_images_per_prompt=2, latents=latents.clone(), max_sequence_length=max_len,
+                           output_type="latent")
+        arrays.update(turbo_latents_in=latents.numpy(), turbo_latents_out=turbo.images.numpy())
+    np.savez(out / "pipeline_reference.npz", **arrays)
+    print(f"wrote Krea 2 pipeline fixtures to {folder} (last hidden state normed: {last_is_normed})")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=FIXTURES)
@@ -336,6 +422,7 @@ def main() -> None:
     write_krea2_transformer(args.out / "krea2")
     write_scheduler(args.out / "scheduler")
     write_vaes(args.out / "vae")
+    write_krea2_pipeline(args.out / "krea2")
 
 
 if __name__ == "__main__":

@@ -49,24 +49,3 @@ def test_schedule_needs_exactly_one_of_mu_or_resolution():
     with pytest.raises(ValueError, match=">= 1"):
         flow_match_schedule(0, mu=1.15)
 
-
-def test_euler_sample_equals_a_loop_of_euler_steps():
-    import jax.numpy as jnp
-
-    sigmas, timesteps = flow_match_schedule(6, image_seq_len=1024)
-    x0 = np.random.default_rng(0).standard_normal((2, 3, 4)).astype(np.float32)
-    seen = []
-
-    def velocity(x, t):  # depends on x and t, so a wrong time or a skipped step shows
-        seen.append(t.shape)
-        return jnp.sin(x) * t[:, None, None] - 0.5 * x
-
-    from mxdit.model.flow_match import euler_sample
-
-    out = np.asarray(euler_sample(velocity, jnp.asarray(x0), sigmas, timesteps))
-    x = x0
-    for i in range(6):
-        t = np.full((2,), timesteps[i] / np.float32(1000), np.float32)
-        x = np.asarray(euler_step(x, velocity(jnp.asarray(x), jnp.asarray(t)), sigmas[i], sigmas[i + 1]))
-    np.testing.assert_allclose(out, x, rtol=1e-6, atol=1e-6)
-    assert seen[0] == (2,)

@@ -1,0 +1,286 @@
+"""Krea 2 text-to-image: prompts -> Qwen3-VL tapped hidden states -> flow-matching Euler loop over the Krea 2
+transformer -> Qwen-Image VAE decode. Equal in function to diffusers' `Krea2Pipeline` (0.42.1).
+
+Turbo (the distilled checkpoint, `is_distilled` in model_index.json): fixed shift mu = 1.15, no classifier-free
+guidance, 8 steps. Base: resolution-aware shift, CFG with a negative prompt, 28 steps at guidance 4.5 (diffusers'
+convention: `pred + g * (pred - neg)`, so g = 0 turns CFG off).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from .flow_match import KREA2_TURBO_MU, NUM_TRAIN_TIMESTEPS, ShiftConfig, euler_step, flow_match_schedule
+from .images import to_pil
+from .krea2 import Krea2Config, Krea2Transformer
+from .loading import CheckpointError, read_json
+from .qwen3vl_text import Qwen3VLTextConfig, Qwen3VLTextEncoder
+from .tokenizer import TextTokenizer, save_demo_tokenizer
+from .vae_qwenimage import QwenImageVAE, QwenImageVAEConfig
+
+# The Qwen-Image chat template. The prompt is padded to a fixed length *inside* the template, before the assistant
+# suffix, as the model was trained; the 34 tokens of the system prefix are dropped from the encoder outputs.
+PROMPT_PREFIX = (
+    "<|im_start|>system\nDescribe the image by detailing the color, shape, size, texture, quantity, text, "
+    "spatial relationships of the objects and background:<|im_end|>\n<|im_start|>user\n"
+)
+PROMPT_SUFFIX = "<|im_end|>\n<|im_start|>assistant\n"
+PREFIX_TOKENS = 34
+SUFFIX_TOKENS = 5
+KREA2_TEXT_LAYERS = (2, 5, 8, 11, 14, 17, 20, 23, 26, 29, 32, 35)  # Qwen3-VL-4B hidden states Krea 2 taps
+COMPONENTS = ("transformer", "vae", "text_encoder", "tokenizer")
+
+
+@dataclasses.dataclass(frozen=True)
+class Krea2PipelineConfig:
+    """What model_index.json and scheduler/scheduler_config.json say about sampling."""
+
+    text_encoder_select_layers: tuple[int, ...] = KREA2_TEXT_LAYERS
+    is_distilled: bool = False
+    patch_size: int = 2
+    shift: ShiftConfig = ShiftConfig()
+
+    @property
+    def default_steps(self) -> int:
+        return 8 if self.is_distilled else 28
+
+    @property
+    def default_guidance(self) -> float:
+        return 0.0 if self.is_distilled else 4.5
+
+
+@dataclasses.dataclass
+class Krea2Output:
+    images: list | np.ndarray | None  # PIL images, or float (batch, h, w, 3) in [0, 1] for output_type="np"
+    latents: np.ndarray  # final packed latents (batch, seq, channels), float32
+    timings: dict[str, float]  # seconds per stage
+
+
+def pack_latents(latents: jax.Array, p: int = 2) -> jax.Array:
+    """(batch, h, w, c) -> (batch, h/p * w/p, c * p * p), channels ordered (c, py, px) as diffusers packs them."""
+    b, h, w, c = latents.shape
+    x = latents.reshape(b, h // p, p, w // p, p, c).transpose(0, 1, 3, 5, 2, 4)
+    return x.reshape(b, (h // p) * (w // p), c * p * p)
+
+
+def unpack_latents(packed: jax.Array, grid_h: int, grid_w: int, p: int = 2) -> jax.Array:
+    """Inverse of `pack_latents`: (batch, grid_h * grid_w, c * p * p) -> (batch, grid_h * p, grid_w * p, c)."""
+    b, _, cpp = packed.shape
+    c = cpp // (p * p)
+    x = packed.reshape(b, grid_h, grid_w, c, p, p).transpose(0, 1, 4, 2, 5, 3)
+    return x.reshape(b, grid_h * p, grid_w * p, c)
+
+
+def position_ids(text_len: int, grid_h: int, grid_w: int) -> np.ndarray:
+    """(text_len + grid_h * grid_w, 3) rotary coordinates: text at the origin, image tokens at (0, row, column)."""
+    rows, cols = np.meshgrid(np.arange(grid_h), np.arange(grid_w), indexing="ij")
+    image = np.stack([np.zeros_like(rows), rows, cols], axis=-1).reshape(-1, 3)
+    return np.concatenate([np.zeros((text_len, 3)), image]).astype(np.float32)
+
+
+class Krea2Pipeline:
+    """Prompts to images with the Krea 2 transformer, Qwen3-VL text encoder and Qwen-Image VAE."""
+
+    def __init__(self, transformer: Krea2Transformer, vae: QwenImageVAE, text_encoder: Qwen3VLTextEncoder,
+                 tokenizer: TextTokenizer, config: Krea2PipelineConfig = Krea2PipelineConfig()):
+        if len(config.text_encoder_select_layers) != transformer.config.num_text_layers:
+            raise ValueError(
+                f"text_encoder_select_layers has {len(config.text_encoder_select_layers)} entries, the transformer "
+                f"expects num_text_layers={transformer.config.num_text_layers}"
+            )
+        self.transformer, self.vae, self.text_encoder, self.tokenizer = transformer, vae, text_encoder, tokenizer
+        self.config = config
+        self.vae_scale_factor = vae.config.spatial_compression
+
+    # -- loading -------------------------------------------------------------------------------------------------------
+
+    @classmethod
+    def from_pretrained(cls, folder: str | Path, dtype: jnp.dtype = jnp.bfloat16) -> "Krea2Pipeline":
+        """Load a diffusers-layout Krea 2 folder (model_index.json, transformer/, vae/, text_encoder/, tokenizer/,
+        scheduler/)."""
+        folder = Path(folder)
+        if not folder.is_dir():
+            raise CheckpointError(f"{folder}: no such folder")
+        missing = [c for c in COMPONENTS if not (folder / c).is_dir()]
+        if missing:
+            raise CheckpointError(f"{folder}: missing component folder(s) {', '.join(m + '/' for m in missing)} "
+                                  f"(a Krea 2 folder has {', '.join(c + '/' for c in COMPONENTS)})")
+        index = read_json(folder / "model_index.json") if (folder / "model_index.json").is_file() else {}
+        scheduler = folder / "scheduler" / "scheduler_config.json"
+        shift = read_json(scheduler) if scheduler.is_file() else {}
+        config = Krea2PipelineConfig(
+            text_encoder_select_layers=tuple(index.get("text_encoder_select_layers") or KREA2_TEXT_LAYERS),
+            is_distilled=bool(index.get("is_distilled", False)),
+            patch_size=int(index.get("patch_size", 2)),
+            shift=ShiftConfig(**{k: shift[k] for k in ("base_shift", "max_shift", "base_image_seq_len",
+                                                       "max_image_seq_len") if k in shift}),
+        )
+        return cls(
+            Krea2Transformer.from_pretrained(folder / "transformer", dtype),
+            QwenImageVAE.from_pretrained(folder / "vae", dtype),
+            Qwen3VLTextEncoder.from_pretrained(folder / "text_encoder", dtype),
+            TextTokenizer.from_folder(folder / "tokenizer"),
+            config,
+        )
+
+    # -- text ----------------------------------------------------------------------------------------------------------
+
+    def encode_prompt(self, prompts: Sequence[str], max_sequence_length: int = 512) -> tuple[jax.Array, jax.Array]:
+        """Tapped text-encoder states and mask for `prompts`: ((batch, L, num_text_layers, text_dim), (batch, L) bool)
+        with L = max_sequence_length, exactly as diffusers' `Krea2Pipeline.get_text_hidden_states`."""
+        ids, mask = self.tokenizer([PROMPT_PREFIX + p for p in prompts],
+                                   max_length=max_sequence_length + PREFIX_TOKENS - SUFFIX_TOKENS)
+        suffix_ids, suffix_mask = self.tokenizer([PROMPT_SUFFIX] * len(prompts))
+        ids, mask = np.concatenate([ids, suffix_ids], 1), np.concatenate([mask, suffix_mask], 1)
+        # Positions count only real tokens, so the suffix after the padding sits right after the prompt.
+        positions = np.maximum(np.cumsum(mask, axis=1) - 1, 0)
+        states = _encode_text(self.text_encoder, jnp.asarray(ids), jnp.asarray(mask), jnp.asarray(positions),
+                              self.config.text_encoder_select_layers)
+        return states[:, PREFIX_TOKENS:], jnp.asarray(mask[:, PREFIX_TOKENS:])
+
+    # -- generation ----------------------------------------------------------------------------------------------------
+
+    def __call__(
+        self,
+        prompt: str | Sequence[str],
+        negative_prompt: str | Sequence[str] | None = None,
+        *,
+        height: int = 1024,
+        width: int = 1024,
+        num_inference_steps: int | None = None,
+        guidance_scale: float | None = None,
+        num_images_per_prompt: int = 1,
+        seed: int = 0,
+        latents: np.ndarray | None = None,
+        max_sequence_length: int = 512,
+        callback: Callable[[int, float, jax.Array], None] | None = None,
+        output_type: str = "pil",
+        tiled_decode: bool = False,
+    ) -> Krea2Output:
+        """Generate images.
+
+        Args:
+            prompt, negative_prompt: one string or one per batch element; the negative prompt (default "") is used
+                only with classifier-free guidance (guidance_scale > 0).
+            height, width: pixels, multiples of 16.
+            num_inference_steps, guidance_scale: default 8 / 0 for Turbo, 28 / 4.5 for Base.
+            seed: the noise is `jax.random.normal(key(seed))`, so the same seed gives the same images.
+            latents: packed initial noise (batch * num_images_per_prompt, h/16 * w/16, 64) instead of the seeded one.
+            callback: called after each step as callback(step_index, timestep, latents).
+            output_type: "pil", "np" (float (batch, h, w, 3) in [0, 1]) or "latent" (no decode).
+        """
+        multiple = self.vae_scale_factor * self.config.patch_size
+        if height % multiple or width % multiple or height <= 0 or width <= 0:
+            raise ValueError(f"height and width must be positive multiples of {multiple}, got {height}x{width}")
+        prompts = [prompt] if isinstance(prompt, str) else list(prompt)
+        steps = num_inference_steps or self.config.default_steps
+        guidance = self.config.default_guidance if guidance_scale is None else guidance_scale
+        cfg = guidance > 0
+        batch = len(prompts) * num_images_per_prompt
+        timings = {}
+
+        t0 = time.perf_counter()
+        embeds, mask = self.encode_prompt(prompts, max_sequence_length)
+        if cfg:
+            negatives = [""] * len(prompts) if negative_prompt is None else (
+                [negative_prompt] * len(prompts) if isinstance(negative_prompt, str) else list(negative_prompt))
+            if len(negatives) != len(prompts):
+                raise ValueError(f"{len(negatives)} negative prompts for {len(prompts)} prompts")
+            neg_embeds, neg_mask = self.encode_prompt(negatives, max_sequence_length)
+            # Conditional and unconditional branches run as one batch through the transformer.
+            embeds, mask = jnp.concatenate([embeds, neg_embeds]), jnp.concatenate([mask, neg_mask])
+        embeds = jnp.repeat(embeds, num_images_per_prompt, axis=0) if num_images_per_prompt > 1 else embeds
+        mask = jnp.repeat(mask, num_images_per_prompt, axis=0) if num_images_per_prompt > 1 else mask
+        jax.block_until_ready(embeds)
+        timings["text encode"] = time.perf_counter() - t0
+
+        grid_h, grid_w = height // multiple, width // multiple
+        channels = self.transformer.config.in_channels
+        if latents is None:
+            noise = jax.random.normal(jax.random.key(seed), (batch, grid_h * 2, grid_w * 2, channels // 4), jnp.float32)
+            latents = pack_latents(noise, self.config.patch_size)
+        latents = jnp.asarray(latents, jnp.float32)
+        if latents.shape != (batch, grid_h * grid_w, channels):
+            raise ValueError(f"latents must have shape {(batch, grid_h * grid_w, channels)}, got {latents.shape}")
+        if self.config.is_distilled:
+            sigmas, timesteps = flow_match_schedule(steps, mu=KREA2_TURBO_MU, shift=self.config.shift)
+        else:
+            sigmas, timesteps = flow_match_schedule(steps, image_seq_len=grid_h * grid_w, shift=self.config.shift)
+        ids = jnp.asarray(position_ids(embeds.shape[1], grid_h, grid_w))
+
+        t0 = time.perf_counter()
+        step = nnx.cached_partial(_denoise_step, self.transformer)  # traverse the model's graph once, not per step
+        for i in range(steps):
+            t = np.float32(timesteps[i]) / np.float32(NUM_TRAIN_TIMESTEPS)
+            latents = step(latents, embeds, mask, ids, jnp.float32(t), jnp.float32(sigmas[i]),
+                           jnp.float32(sigmas[i + 1]), jnp.float32(guidance), cfg)
+            if callback is not None:
+                callback(i, float(timesteps[i]), latents)
+        latents = jax.block_until_ready(latents)
+        timings["denoise"] = time.perf_counter() - t0
+
+        images = None
+        if output_type != "latent":
+            t0 = time.perf_counter()
+            z = self.vae.denormalize_latents(unpack_latents(latents, grid_h, grid_w, self.config.patch_size))
+            decoded = np.asarray(self.vae.decode(z.astype(self.vae.dtype), tiled=tiled_decode), np.float32)
+            images = to_pil(decoded) if output_type == "pil" else np.clip(decoded / 2 + 0.5, 0.0, 1.0)
+            timings["decode"] = time.perf_counter() - t0
+        timings["total"] = sum(timings.values())
+        return Krea2Output(images=images, latents=np.asarray(latents), timings=timings)
+
+
+@nnx.jit(static_argnames=("layers",))
+def _encode_text(encoder: Qwen3VLTextEncoder, ids, mask, positions, layers):
+    return encoder(ids, mask, positions, layers)
+
+
+@nnx.jit(static_argnames=("cfg",))
+def _denoise_step(model: Krea2Transformer, latents, embeds, mask, ids, t, sigma, sigma_next, guidance, cfg: bool):
+    """One Euler step; with CFG the batch of embeds holds [conditional; unconditional]. Compiled once per shape: the
+    step's time and sigmas are traced values."""
+    batch = latents.shape[0]
+    x = jnp.concatenate([latents, latents]) if cfg else latents
+    velocity = model(x.astype(model.dtype), embeds, jnp.full((x.shape[0],), t, jnp.float32), ids, mask)
+    if cfg:
+        cond, uncond = velocity[:batch], velocity[batch:]
+        velocity = cond + guidance.astype(cond.dtype) * (cond - uncond)
+    return euler_step(latents, velocity, sigma, sigma_next)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# The built-in demo
+
+
+DEMO_TEXT_LAYERS = (1, 2, 3, 4)
+
+
+def demo_pipeline(tokenizer_folder: str | Path, seed: int = 0, dtype=jnp.float32, distilled: bool = True) -> Krea2Pipeline:
+    """A tiny Krea 2-shaped pipeline with RANDOM weights (and the demo word-level tokenizer, written to
+    `tokenizer_folder`): the whole path runs on a CPU in seconds; the pictures are noise-like, not meaningful."""
+    tokenizer = TextTokenizer.from_folder(save_demo_tokenizer(tokenizer_folder))
+    text_cfg = Qwen3VLTextConfig(vocab_size=tokenizer.vocab_size, hidden_size=64, intermediate_size=128,
+                                 num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    transformer_cfg = Krea2Config(
+        in_channels=64, num_layers=4, attention_head_dim=32, num_attention_heads=8, num_key_value_heads=2,
+        intermediate_size=512, timestep_embed_dim=64, text_hidden_dim=64, num_text_layers=len(DEMO_TEXT_LAYERS),
+        text_num_attention_heads=4, text_num_key_value_heads=4, text_intermediate_size=128, axes_dims_rope=(8, 12, 12),
+    )
+    vae_cfg = QwenImageVAEConfig(base_dim=16)
+    # The "rbg" generator compiles far faster on the CPU than the default threefry, and weights are drawn eagerly.
+    rngs = nnx.Rngs(jax.random.key(seed, impl="rbg"))
+    return Krea2Pipeline(
+        Krea2Transformer(transformer_cfg, dtype=dtype, rngs=rngs),
+        QwenImageVAE(vae_cfg, dtype=dtype, rngs=rngs),
+        Qwen3VLTextEncoder(text_cfg, dtype=dtype, rngs=rngs),
+        tokenizer,
+        Krea2PipelineConfig(text_encoder_select_layers=DEMO_TEXT_LAYERS, is_distilled=distilled),
+    )

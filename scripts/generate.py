@@ -1,0 +1,135 @@
+"""Generate images from text with Krea 2.
+
+    python scripts/generate.py --model /models/Krea-2-Turbo --prompt "a red fox in the snow" --output fox.png
+    python scripts/generate.py --demo --prompt "a red fox" --output demo.png     # tiny RANDOM-weight model, CPU
+
+Turbo or Base is read from the model folder (model_index.json `is_distilled`); --steps and --guidance override the
+defaults (Turbo 8 steps without guidance, Base 28 steps at 4.5). With several images, `--output x.png` writes
+x_0.png, x_1.png, ... An existing file is never overwritten unless --overwrite is given.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+MIN_SIDE, MAX_SIDE, MULTIPLE = 64, 4096, 16
+DTYPES = {"bf16": "bfloat16", "fp32": "float32"}
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line naming what is wrong, no usage dump
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = _Parser(prog="generate.py", description="Generate images from text with Krea 2.")
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--model", type=Path, help="a diffusers-layout Krea 2 folder")
+    source.add_argument("--demo", action="store_true", help="the built-in tiny model with random weights")
+    parser.add_argument("--prompt", required=True, action="append", help="repeat for a batch of prompts")
+    parser.add_argument("--negative-prompt", default=None, help="used with guidance > 0 (default: empty)")
+    parser.add_argument("--steps", type=int, default=None)
+    parser.add_argument("--guidance", type=float, default=None, help="classifier-free guidance scale; 0 turns it off")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--height", type=int, default=None, help="pixels, a multiple of 16 (default 1024; demo 256)")
+    parser.add_argument("--width", type=int, default=None, help="pixels, a multiple of 16 (default 1024; demo 256)")
+    parser.add_argument("--num-images", type=int, default=1, help="images per prompt")
+    parser.add_argument("--output", type=Path, default=Path("output.png"), help="PNG path")
+    parser.add_argument("--overwrite", action="store_true", help="replace existing output files")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="default bf16 (demo: fp32)")
+    parser.add_argument("--tiled-decode", action="store_true", help="decode the VAE in tiles (large images)")
+    parser.add_argument("--max-sequence-length", type=int, default=512)
+    args = parser.parse_args(argv)
+
+    default_side = 256 if args.demo else 1024
+    args.height = args.height or default_side
+    args.width = args.width or default_side
+    for name in ("height", "width"):
+        value = getattr(args, name)
+        if value % MULTIPLE or not MIN_SIDE <= value <= MAX_SIDE:
+            parser.error(f"--{name} {value}: must be a multiple of {MULTIPLE} between {MIN_SIDE} and {MAX_SIDE}")
+    if args.steps is not None and not 1 <= args.steps <= 1000:
+        parser.error(f"--steps {args.steps}: must be between 1 and 1000")
+    if args.guidance is not None and args.guidance < 0:
+        parser.error(f"--guidance {args.guidance}: must be >= 0")
+    if args.num_images < 1:
+        parser.error(f"--num-images {args.num_images}: must be >= 1")
+    if args.output.suffix.lower() != ".png":
+        parser.error(f"--output {args.output}: must end in .png")
+    if args.model is not None and not args.model.is_dir():
+        parser.error(f"--model {args.model}: no such folder")
+    args.outputs = output_paths(args.output, len(args.prompt) * args.num_images)
+    existing = [str(p) for p in args.outputs if p.exists()]
+    if existing and not args.overwrite:
+        parser.error(f"--output: {', '.join(existing)} already exists (pass --overwrite to replace)")
+    if not args.output.parent.exists():
+        parser.error(f"--output {args.output}: folder {args.output.parent} does not exist")
+    args.dtype = args.dtype or ("fp32" if args.demo else "bf16")
+    return args
+
+
+def output_paths(output: Path, count: int) -> list[Path]:
+    return [output] if count == 1 else [output.with_name(f"{output.stem}_{i}{output.suffix}") for i in range(count)]
+
+
+def save_png(image, path: Path) -> None:
+    """Write atomically: to a temporary file in the same folder, then renamed over the target."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        image.save(tmp, format="PNG")
+        tmp.replace(path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    import jax
+    import jax.numpy as jnp
+    from tqdm import tqdm
+
+    from mxdit.model.loading import CheckpointError
+    from mxdit.model.pipeline_krea2 import Krea2Pipeline, demo_pipeline
+
+    dtype = getattr(jnp, DTYPES[args.dtype])
+    t0 = time.perf_counter()
+    try:
+        if args.demo:
+            pipe = demo_pipeline(Path(tempfile.mkdtemp(prefix="mxdit-demo-tokenizer-")), seed=0, dtype=dtype)
+            print("mxdit demo: tiny Krea 2-shaped model with RANDOM weights -- the image is noise, not a picture.")
+        else:
+            pipe = Krea2Pipeline.from_pretrained(args.model, dtype=dtype)
+    except (CheckpointError, ValueError) as e:
+        print(f"generate.py: error: {e}", file=sys.stderr)
+        return 2
+    load_s = time.perf_counter() - t0
+
+    steps = args.steps or pipe.config.default_steps
+    with tqdm(total=steps, desc="denoise", unit="step") as bar:
+        def on_step(i, t, latents):
+            jax.block_until_ready(latents)  # so the bar moves with the device, not with dispatch
+            bar.update(1)
+
+        try:
+            out = pipe(args.prompt, args.negative_prompt, height=args.height, width=args.width, num_inference_steps=steps,
+                       guidance_scale=args.guidance, num_images_per_prompt=args.num_images, seed=args.seed,
+                       max_sequence_length=args.max_sequence_length, callback=on_step, tiled_decode=args.tiled_decode)
+        except ValueError as e:
+            print(f"generate.py: error: {e}", file=sys.stderr)
+            return 2
+    for image, path in zip(out.images, args.outputs, strict=True):
+        save_png(image, path)
+        print(f"wrote {path} ({image.width}x{image.height})")
+    print(f"\n{'stage':<14}{'seconds':>9}")
+    for stage, seconds in {"load": load_s, **out.timings}.items():
+        print(f"{stage:<14}{seconds:9.3f}")
+    print("(first run of a shape includes compilation)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,77 @@
+"""scripts/generate.py: the built-in demo writes a PNG of the asked size; bad arguments exit non-zero with one line."""
+
+import importlib.util
+import shutil
+from pathlib import Path
+
+import pytest
+from PIL import Image
+
+from conftest import FIXTURES
+
+spec = importlib.util.spec_from_file_location("generate", Path(__file__).parent.parent / "scripts" / "generate.py")
+generate = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(generate)
+
+
+def run(argv, capsys):
+    try:
+        code = generate.main(argv)
+    except SystemExit as e:
+        code = e.code
+    return code, capsys.readouterr()
+
+
+def test_demo_writes_a_png_of_the_asked_size(tmp_path, capsys):
+    out = tmp_path / "demo.png"
+    code, captured = run(["--demo", "--prompt", "a red fox", "--height", "64", "--width", "96", "--steps", "2",
+                          "--output", str(out)], capsys)
+    assert code == 0, captured.err
+    with Image.open(out) as image:
+        assert image.format == "PNG" and image.size == (96, 64) and image.mode == "RGB"
+    assert "RANDOM weights" in captured.out
+    for stage in ("text encode", "denoise", "decode", "total"):
+        assert stage in captured.out
+
+
+def test_model_folder_generates_several_images(tmp_path, capsys):
+    out = tmp_path / "x.png"
+    code, captured = run(["--model", str(FIXTURES / "krea2" / "tiny_pipeline"), "--prompt", "a cat", "--num-images", "2",
+                          "--height", "32", "--width", "32", "--steps", "1", "--dtype", "fp32",
+                          "--max-sequence-length", "16", "--output", str(out)], capsys)
+    assert code == 2 and "--height 32: must be a multiple of 16 between 64 and 4096" in captured.err
+    code, captured = run(["--model", str(FIXTURES / "krea2" / "tiny_pipeline"), "--prompt", "a cat", "--num-images", "2",
+                          "--height", "64", "--width", "64", "--steps", "1", "--dtype", "fp32",
+                          "--max-sequence-length", "16", "--output", str(out)], capsys)
+    assert code == 0, captured.err
+    assert (tmp_path / "x_0.png").is_file() and (tmp_path / "x_1.png").is_file()
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--demo", "--prompt", "x", "--height", "100"], "--height 100: must be a multiple of 16"),
+    (["--demo", "--prompt", "x", "--width", "8192"], "--width 8192: must be a multiple of 16 between 64 and 4096"),
+    (["--model", "/nonexistent/krea2", "--prompt", "x"], "--model /nonexistent/krea2: no such folder"),
+    (["--demo", "--prompt", "x", "--output", "out.jpg"], "--output out.jpg: must end in .png"),
+    (["--demo", "--prompt", "x", "--steps", "0"], "--steps 0: must be between 1 and 1000"),
+])
+def test_bad_arguments_exit_with_one_line(tmp_path, capsys, argv, message):
+    code, captured = run(argv, capsys)
+    assert code == 2
+    assert captured.err.strip().count("\n") == 0 and message in captured.err
+
+
+def test_folder_missing_a_component_exits_with_its_name(tmp_path, capsys):
+    folder = tmp_path / "krea2"
+    shutil.copytree(FIXTURES / "krea2" / "tiny_pipeline", folder)
+    shutil.rmtree(folder / "text_encoder")
+    code, captured = run(["--model", str(folder), "--prompt", "x", "--output", str(tmp_path / "o.png")], capsys)
+    assert code == 2 and captured.err.strip().count("\n") == 0
+    assert "missing component folder(s) text_encoder/" in captured.err
+
+
+def test_existing_output_is_not_overwritten(tmp_path, capsys):
+    out = tmp_path / "keep.png"
+    out.write_bytes(b"precious")
+    code, captured = run(["--demo", "--prompt", "x", "--output", str(out)], capsys)
+    assert code == 2 and "already exists (pass --overwrite to replace)" in captured.err
+    assert out.read_bytes() == b"precious"
