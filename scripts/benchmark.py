@@ -3,6 +3,7 @@
     python scripts/benchmark.py krea2-step                      # full size, 1024x1024, JAX variants + diffusers
     python scripts/benchmark.py krea2-step --num-layers 2 --no-diffusers   # a quick smoke run
     python scripts/benchmark.py vae-decode                      # Qwen-Image and FLUX VAE decode, 1024 and 2048
+    python scripts/benchmark.py krea2-pipeline                  # Turbo 8 steps end to end, warm and cold
 
 Weights are random (bf16); the shapes are the released model's: 4096 image tokens (1024x1024), 512 text tokens of
 which 120 are real (the padding mask). JAX is timed with many steps inside one jitted program (`lax.fori_loop`),
@@ -297,6 +298,119 @@ def _subprocess_rows(args, command: str, forwarded: list[str]) -> list[dict]:
     return rows
 
 
+QWEN3VL_4B_TEXT = dict(vocab_size=151936, hidden_size=2560, intermediate_size=9728, num_hidden_layers=36,
+                       num_attention_heads=32, num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-6)
+
+
+def jax_krea2_pipeline(args) -> list[dict]:
+    """Our Krea 2 pipeline, full-size random bf16 weights (the demo tokenizer: the text is padded to 512 anyway)."""
+    import tempfile
+
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from mxdit.model.krea2 import Krea2Transformer
+    from mxdit.model.pipeline_krea2 import Krea2Pipeline, Krea2PipelineConfig
+    from mxdit.model.qwen3vl_text import Qwen3VLTextConfig, Qwen3VLTextEncoder
+    from mxdit.model.tokenizer import TextTokenizer, save_demo_tokenizer
+    from mxdit.model.vae_qwenimage import QwenImageVAE, QwenImageVAEConfig
+
+    t0 = time.perf_counter()
+    rngs = nnx.Rngs(0)
+    pipe = Krea2Pipeline(
+        Krea2Transformer(_config(args), dtype=jnp.bfloat16, rngs=rngs),
+        QwenImageVAE(QwenImageVAEConfig(), dtype=jnp.bfloat16, rngs=rngs),
+        Qwen3VLTextEncoder(Qwen3VLTextConfig(**QWEN3VL_4B_TEXT), dtype=jnp.bfloat16, rngs=rngs),
+        TextTokenizer.from_folder(save_demo_tokenizer(tempfile.mkdtemp())),
+        Krea2PipelineConfig(is_distilled=True),
+    )
+    jax.block_until_ready(nnx.state(pipe.transformer))
+    print(json.dumps({"jax_pipeline_init_s": time.perf_counter() - t0}), flush=True)
+    rows = []
+    for run in range(1 + args.repeats):
+        out = pipe("a red fox in the snow, photo", height=args.height, width=args.width, num_inference_steps=args.steps)
+        row = {"name": f"jax pipeline {'cold (compiles)' if run == 0 else f'warm run {run}'}", **out.timings}
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+    rows.append({"name": "jax peak", "peak_gb": (jax.devices()[0].memory_stats() or {}).get("peak_bytes_in_use", 0) / 1e9})
+    return rows
+
+
+def diffusers_krea2_pipeline(args) -> list[dict]:
+    import tempfile
+
+    import torch
+    from diffusers import AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, Krea2Pipeline, Krea2Transformer2DModel
+    from diffusers.models.transformers.transformer_krea2 import Krea2RMSNorm
+    from transformers import PreTrainedTokenizerFast, Qwen3VLConfig, Qwen3VLModel
+
+    from mxdit.model.tokenizer import save_demo_tokenizer
+
+    t0 = time.perf_counter()
+    torch.set_default_dtype(torch.bfloat16)
+    with torch.device("cuda"):
+        transformer = Krea2Transformer2DModel(**dataclasses.asdict(_config(args))).eval()
+        vae = AutoencoderKLQwenImage().eval()
+        config = Qwen3VLConfig(text_config=dict(QWEN3VL_4B_TEXT, rope_parameters={
+            "rope_type": "default", "rope_theta": 5_000_000.0, "mrope_section": [24, 20, 20], "mrope_interleaved": True}),
+            vision_config=dict(out_hidden_size=2560))
+        text_encoder = Qwen3VLModel(config).eval()
+    torch.set_default_dtype(torch.float32)
+    for module in transformer.modules():
+        if isinstance(module, Krea2RMSNorm):
+            module.float()
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(save_demo_tokenizer(tempfile.mkdtemp()))
+    scheduler = FlowMatchEulerDiscreteScheduler(use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15,
+                                                base_image_seq_len=256, max_image_seq_len=6400)
+    pipe = Krea2Pipeline(scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer,
+                         transformer=transformer, is_distilled=True)
+    pipe.set_progress_bar_config(disable=True)
+    print(json.dumps({"diffusers_pipeline_init_s": time.perf_counter() - t0}), flush=True)
+    prompt = "a red fox in the snow, photo"
+
+    def timed(fn):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        result = fn()
+        torch.cuda.synchronize()
+        return time.perf_counter() - t, result
+
+    rows = []
+    with torch.inference_mode():
+        for run in range(1 + args.repeats):
+            text_s, _ = timed(lambda: pipe.encode_prompt(prompt, device="cuda"))
+            latent_s, latents = timed(lambda: pipe(prompt, height=args.height, width=args.width,
+                                                   num_inference_steps=args.steps, guidance_scale=0.0,
+                                                   output_type="latent").images)
+            total_s, _ = timed(lambda: pipe(prompt, height=args.height, width=args.width,
+                                            num_inference_steps=args.steps, guidance_scale=0.0))
+            row = {"name": f"diffusers pipeline {'cold' if run == 0 else f'warm run {run}'}", "text encode": text_s,
+                   "denoise": latent_s - text_s, "decode": total_s - latent_s, "total": total_s}
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+    rows.append({"name": "diffusers peak", "peak_gb": torch.cuda.max_memory_allocated() / 1e9})
+    return rows
+
+
+def krea2_pipeline(args) -> None:
+    forwarded = ["--height", str(args.height), "--width", str(args.width), "--steps", str(args.steps),
+                 "--repeats", str(args.repeats)] + (["--num-layers", str(args.num_layers)] if args.num_layers else [])
+    rows = _subprocess_rows(args, "krea2-pipeline-diffusers", forwarded) if args.diffusers else []
+    rows += _subprocess_rows(args, "krea2-pipeline-jax", forwarded)
+    print(f"\nKrea 2 Turbo pipeline, {args.height}x{args.width}, {args.steps} steps, random full-size bf16 weights")
+    print(f"{'run':<34}{'text encode':>12}{'denoise':>9}{'decode':>8}{'total':>8}")
+    for r in rows:
+        if "error" in r:
+            print(f"{r['name']:<34} error: {r['error']}")
+        elif "total" in r:
+            print(f"{r['name']:<34}{r['text encode']:12.3f}{r['denoise']:9.3f}{r.get('decode', 0):8.3f}{r['total']:8.3f}")
+        elif "peak_gb" in r:
+            print(f"{r['name']:<34} peak device memory {r['peak_gb']:.1f} GB")
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
+
+
 def krea2_step(args) -> None:
     rows = _subprocess_rows(args, "krea2-step-diffusers", _forwarded(args)) if args.diffusers else []
     rows += jax_krea2_step(args)
@@ -351,8 +465,18 @@ def main(argv=None) -> None:
         p.add_argument("--repeats", type=int, default=5)
         p.add_argument("--no-diffusers", dest="diffusers", action="store_false")
         p.add_argument("--json", default=None)
+    for name in ("krea2-pipeline", "krea2-pipeline-diffusers", "krea2-pipeline-jax"):
+        p = sub.add_parser(name)
+        p.add_argument("--height", type=int, default=1024)
+        p.add_argument("--width", type=int, default=1024)
+        p.add_argument("--steps", type=int, default=8)
+        p.add_argument("--num-layers", type=int, default=None, help="fewer transformer blocks, for a quick smoke run")
+        p.add_argument("--repeats", type=int, default=2, help="warm runs after the cold one")
+        p.add_argument("--no-diffusers", dest="diffusers", action="store_false")
+        p.add_argument("--json", default=None)
     args = parser.parse_args(argv)
-    commands = {"krea2-step": krea2_step, "krea2-step-diffusers": diffusers_krea2_step,
+    commands = {"krea2-pipeline": krea2_pipeline, "krea2-pipeline-diffusers": diffusers_krea2_pipeline,
+                "krea2-pipeline-jax": jax_krea2_pipeline,"krea2-step": krea2_step, "krea2-step-diffusers": diffusers_krea2_step,
                 "vae-decode": vae_decode, "vae-decode-diffusers": diffusers_vae_decode, "vae-decode-jax": jax_vae_decode}
     commands[args.command](args)
 
