@@ -26,6 +26,7 @@ class Tiling:
     stride: int
     blend: int
     keep: int
+    batch: int = 8  # tiles of one shape that go through the network together (bounds memory, saves dispatches)
 
 
 @functools.partial(jax.jit, static_argnums=(2, 3))
@@ -44,10 +45,20 @@ def _blend(previous: jax.Array, current: jax.Array, extent: int, axis: int) -> j
 
 
 def tiled_apply(fn: Callable[[jax.Array], jax.Array], x: jax.Array, tiling: Tiling, out_size: tuple[int, int]) -> jax.Array:
-    """Apply `fn` (channels-last, batch first) tile by tile over `x` and blend the results; crop to `out_size`."""
+    """Apply `fn` (channels-last, batch first, each sample independent) tile by tile over `x` and blend the results;
+    crop to `out_size`. Tiles of one shape go through `fn` up to `tiling.batch` at a time, stacked on the batch axis."""
     height, width = x.shape[1], x.shape[2]
-    rows = [[fn(x[:, i : i + tiling.tile, j : j + tiling.tile]) for j in range(0, width, tiling.stride)]
-            for i in range(0, height, tiling.stride)]
+    starts = [(i, j) for i in range(0, height, tiling.stride) for j in range(0, width, tiling.stride)]
+    inputs = {start: x[:, start[0] : start[0] + tiling.tile, start[1] : start[1] + tiling.tile] for start in starts}
+    outputs = {}
+    for shape in dict.fromkeys(t.shape for t in inputs.values()):  # edge tiles are smaller: one group per shape
+        group = [start for start in starts if inputs[start].shape == shape]
+        for k in range(0, len(group), tiling.batch):
+            chunk = group[k : k + tiling.batch]
+            out = fn(jnp.concatenate([inputs[start] for start in chunk]))
+            for n, start in enumerate(chunk):
+                outputs[start] = out[n * x.shape[0] : (n + 1) * x.shape[0]]
+    rows = [[outputs[(i, j)] for j in range(0, width, tiling.stride)] for i in range(0, height, tiling.stride)]
     result_rows = []
     for i, row in enumerate(rows):
         kept = []
