@@ -195,11 +195,11 @@ def write_scheduler(out: Path) -> None:
 
 
 # Tiny VAEs with the released structure (four levels, 8x downsampling, two residual blocks a level) at small widths.
-QWENIMAGE_VAE_TINY_CONFIG = dict(base_dim=4, z_dim=16, dim_mult=[1, 2, 4, 4], num_res_blocks=2,
+QWENIMAGE_VAE_TINY_CONFIG = dict(base_dim=2, z_dim=16, dim_mult=[1, 2, 4, 4], num_res_blocks=2,
                                  temperal_downsample=[False, True, True])
 FLUX_VAE_TINY_CONFIG = dict(
-    in_channels=3, out_channels=3, latent_channels=16, layers_per_block=2, norm_num_groups=4,
-    block_out_channels=[8, 8, 16, 16], down_block_types=["DownEncoderBlock2D"] * 4,
+    in_channels=3, out_channels=3, latent_channels=16, layers_per_block=2, norm_num_groups=2,
+    block_out_channels=[4, 4, 8, 8], down_block_types=["DownEncoderBlock2D"] * 4,
     up_block_types=["UpDecoderBlock2D"] * 4, sample_size=64, scaling_factor=0.3611, shift_factor=0.1159,
     use_quant_conv=False, use_post_quant_conv=False,
 )

@@ -15,7 +15,7 @@ from mxdit.model.vae_flux import FluxVAE
 from mxdit.model.vae_qwenimage import QwenImageVAE
 
 VAE = FIXTURES / "vae"
-FLUX_CONFIG = VAE / "flux_vae" / "config.json"  # its 8-channel blocks need 4 groups, which weights cannot show
+FLUX_CONFIG = VAE / "flux_vae" / "config.json"  # its 4-channel blocks need 2 groups, which weights cannot show
 # (name, class, diffusers folder, original single file, tiling arguments diffusers' fixture used)
 MODELS = {
     "qwen": (QwenImageVAE, VAE / "qwenimage_vae", VAE / "qwenimage_vae_original.safetensors",
@@ -104,7 +104,7 @@ def test_original_single_file_layout_loads_the_same_weights(case):
 
 def test_qwen_single_file_config_is_read_from_weights():
     vae = QwenImageVAE.from_pretrained(VAE / "qwenimage_vae_original.safetensors", dtype=jnp.float32)
-    assert (vae.config.base_dim, vae.config.z_dim) == (4, 16)
+    assert (vae.config.base_dim, vae.config.z_dim) == (2, 16)
 
 
 def test_flux_single_file_with_unreadable_group_count_asks_for_a_config():
