@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 
@@ -58,3 +59,28 @@ class Conv2d(nnx.Module):
 def upsample_nearest_2x(x: jax.Array) -> jax.Array:
     """(batch, h, w, c) -> (batch, 2h, 2w, c), each pixel repeated 2x2 (nearest and nearest-exact agree at 2x)."""
     return jnp.repeat(jnp.repeat(x, 2, axis=1), 2, axis=2)
+
+
+def rotary_tables(position_ids: jax.Array, axes_dims: tuple[int, ...], theta: float) -> tuple[jax.Array, jax.Array]:
+    """cos and sin tables for 3-axis rotary embedding, each of shape `position_ids.shape[:-1] + (head_dim,)`.
+
+    Axis i of the position (t, h, w) rotates `axes_dims[i]` channels; each frequency is repeated for the two channels
+    of its (real, imaginary) pair, as in FLUX's `repeat_interleave_real` convention.
+    """
+    cos, sin = [], []
+    for i, dim in enumerate(axes_dims):
+        # Frequencies are static: computed in float64 on the host, like diffusers, then rounded to float32.
+        freqs = jnp.asarray(1.0 / theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim), jnp.float32)
+        angles = position_ids[..., i : i + 1].astype(jnp.float32) * freqs
+        cos.append(jnp.repeat(jnp.cos(angles), 2, axis=-1))
+        sin.append(jnp.repeat(jnp.sin(angles), 2, axis=-1))
+    return jnp.concatenate(cos, axis=-1), jnp.concatenate(sin, axis=-1)
+
+
+def apply_rotary(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """Rotate interleaved channel pairs of x (batch, seq, heads, head_dim) by tables of shape (seq, head_dim) or
+    (batch, seq, head_dim); computed in float32."""
+    real, imag = x[..., 0::2], x[..., 1::2]
+    rotated = jnp.stack([-imag, real], axis=-1).reshape(x.shape)
+    cos, sin = cos[..., None, :], sin[..., None, :]  # broadcast over heads
+    return (x.astype(jnp.float32) * cos + rotated.astype(jnp.float32) * sin).astype(x.dtype)
