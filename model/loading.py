@@ -103,6 +103,30 @@ class SafetensorsCheckpoint:
             raise CheckpointError(f"{file}: cannot read tensor {key!r} ({e})") from None
 
 
+class DerivedCheckpoint:
+    """A checkpoint seen through a key map: each derived key reads (a function of) one stored tensor, for layouts
+    that fuse several of our tensors into one. Stored keys named in `passthrough` stay visible as they are (so that
+    unknown tensors are still reported)."""
+
+    def __init__(self, base: SafetensorsCheckpoint, derived: Mapping[str, tuple], passthrough: Sequence[str] = ()):
+        self.base, self.derived = base, dict(derived)  # key -> (stored key, fn or None, shape)
+        self.passthrough = {k: (k, None, base.shape(k)) for k in passthrough}
+
+    def _entry(self, key: str):
+        return self.derived.get(key) or self.passthrough[key]
+
+    def keys(self) -> list[str]:
+        return [*self.derived, *self.passthrough]
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        return tuple(self._entry(key)[2])
+
+    def get(self, key: str) -> np.ndarray:
+        stored, fn, _ = self._entry(key)
+        array = self.base.get(stored)
+        return np.ascontiguousarray(fn(array)) if fn is not None else array
+
+
 def open_checkpoint(path: Path, weights_name: str) -> SafetensorsCheckpoint:
     """Open `path`: a single `.safetensors` file, or a folder holding `{weights_name}.safetensors` or the shards named
     by `{weights_name}.safetensors.index.json`."""

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from .pipeline_common import PipelineOutput, image_position_ids, pack_latents, unpack_latents
 from .flow_match import KREA2_TURBO_MU, NUM_TRAIN_TIMESTEPS, ShiftConfig, euler_step, flow_match_schedule
 from .images import to_pil
 from .krea2 import Krea2Config, Krea2Transformer
@@ -55,35 +56,6 @@ class Krea2PipelineConfig:
     @property
     def default_guidance(self) -> float:
         return 0.0 if self.is_distilled else 4.5
-
-
-@dataclasses.dataclass
-class Krea2Output:
-    images: list | np.ndarray | None  # PIL images, or float (batch, h, w, 3) in [0, 1] for output_type="np"
-    latents: np.ndarray  # final packed latents (batch, seq, channels), float32
-    timings: dict[str, float]  # seconds per stage
-
-
-def pack_latents(latents: jax.Array, p: int = 2) -> jax.Array:
-    """(batch, h, w, c) -> (batch, h/p * w/p, c * p * p), channels ordered (c, py, px) as diffusers packs them."""
-    b, h, w, c = latents.shape
-    x = latents.reshape(b, h // p, p, w // p, p, c).transpose(0, 1, 3, 5, 2, 4)
-    return x.reshape(b, (h // p) * (w // p), c * p * p)
-
-
-def unpack_latents(packed: jax.Array, grid_h: int, grid_w: int, p: int = 2) -> jax.Array:
-    """Inverse of `pack_latents`: (batch, grid_h * grid_w, c * p * p) -> (batch, grid_h * p, grid_w * p, c)."""
-    b, _, cpp = packed.shape
-    c = cpp // (p * p)
-    x = packed.reshape(b, grid_h, grid_w, c, p, p).transpose(0, 1, 4, 2, 5, 3)
-    return x.reshape(b, grid_h * p, grid_w * p, c)
-
-
-def position_ids(text_len: int, grid_h: int, grid_w: int) -> np.ndarray:
-    """(text_len + grid_h * grid_w, 3) rotary coordinates: text at the origin, image tokens at (0, row, column)."""
-    rows, cols = np.meshgrid(np.arange(grid_h), np.arange(grid_w), indexing="ij")
-    image = np.stack([np.zeros_like(rows), rows, cols], axis=-1).reshape(-1, 3)
-    return np.concatenate([np.zeros((text_len, 3)), image]).astype(np.float32)
 
 
 class Krea2Pipeline:
@@ -164,7 +136,7 @@ class Krea2Pipeline:
         callback: Callable[[int, float, jax.Array], None] | None = None,
         output_type: str = "pil",
         tiled_decode: bool = False,
-    ) -> Krea2Output:
+    ) -> PipelineOutput:
         """Generate images.
 
         Args:
@@ -214,7 +186,7 @@ class Krea2Pipeline:
             sigmas, timesteps = flow_match_schedule(steps, mu=KREA2_TURBO_MU, shift=self.config.shift)
         else:
             sigmas, timesteps = flow_match_schedule(steps, image_seq_len=grid_h * grid_w, shift=self.config.shift)
-        ids = jnp.asarray(position_ids(embeds.shape[1], grid_h, grid_w))
+        ids = jnp.asarray(np.concatenate([np.zeros((embeds.shape[1], 3), np.float32), image_position_ids(grid_h, grid_w)]))
 
         t0 = time.perf_counter()
         step = nnx.cached_partial(_denoise_step, self.transformer)  # traverse the model's graph once, not per step
@@ -235,7 +207,7 @@ class Krea2Pipeline:
             images = to_pil(decoded) if output_type == "pil" else np.clip(decoded / 2 + 0.5, 0.0, 1.0)
             timings["decode"] = time.perf_counter() - t0
         timings["total"] = sum(timings.values())
-        return Krea2Output(images=images, latents=np.asarray(latents), timings=timings)
+        return PipelineOutput(images=images, latents=np.asarray(latents), timings=timings)
 
 
 @nnx.jit(static_argnames=("layers",))

@@ -53,24 +53,31 @@ class TextTokenizer:
         """Token ids and attention mask, (batch, length) int32 / bool.
 
         With `max_length`, each sequence is truncated to it and padded to exactly that length (transformers'
-        `truncation=True, padding="max_length"`); without, sequences are padded to the longest.
+        `truncation=True, padding="max_length"`); without, sequences are padded to the longest. Truncation and
+        padding are the tokenizers library's own, as transformers' fast tokenizers use them, so special tokens that
+        a post-processor adds (CLIP's start/end, T5's end) survive truncation.
         """
-        encodings = self.tokenizer.encode_batch(list(texts))
-        ids = [e.ids for e in encodings]
+        tok = self.tokenizer
         if max_length is not None:
-            ids = [(i[:max_length] if self.truncation_side == "right" else i[len(i) - max_length :]) if len(i) > max_length
-                   else i for i in ids]
-        length = max_length if max_length is not None else max(len(i) for i in ids)
-        if any(len(i) < length for i in ids) and self.pad_token_id is None:
+            tok.enable_truncation(max_length, direction=self.truncation_side)
+        else:
+            tok.no_truncation()
+        if self.pad_token_id is not None:
+            tok.enable_padding(direction=self.padding_side, pad_id=self.pad_token_id, pad_token=self.pad_token,
+                               length=max_length)
+        else:
+            tok.no_padding()
+        try:
+            encodings = tok.encode_batch(list(texts))
+        finally:
+            tok.no_truncation()
+            tok.no_padding()
+        lengths = {len(e.ids) for e in encodings}
+        if len(lengths) > 1:
             raise ValueError("this tokenizer has no pad token, so sequences of different lengths cannot be batched")
-        out = np.full((len(ids), length), self.pad_token_id if self.pad_token_id is not None else 0, np.int32)
-        mask = np.zeros((len(ids), length), bool)
-        for row, seq in enumerate(ids):
-            if self.padding_side == "right":
-                out[row, : len(seq)], mask[row, : len(seq)] = seq, True
-            else:
-                out[row, length - len(seq) :], mask[row, length - len(seq) :] = seq, True
-        return out, mask
+        ids = np.array([e.ids for e in encodings], np.int32)
+        mask = np.array([e.attention_mask for e in encodings], bool)
+        return ids, mask
 
 
 # The demo tokenizer: words, punctuation and newlines each one token, so the Krea 2 prompt template's system prefix is

@@ -414,6 +414,111 @@ def write_krea2_pipeline(out: Path) -> None:
     print(f"wrote Krea 2 pipeline fixtures to {folder} (last hidden state normed: {last_is_normed})")
 
 
+FLUX_TINY_CONFIG = dict(patch_size=1, in_channels=16, num_layers=2, num_single_layers=2, attention_head_dim=16,
+                        num_attention_heads=2, joint_attention_dim=24, pooled_projection_dim=12, guidance_embeds=True,
+                        axes_dims_rope=(4, 6, 6))
+
+
+def flux_diffusers_to_original(state: dict) -> dict:
+    """The original FLUX single-file layout of a diffusers state dict (fused QKV, fused linear1, shift-first final
+    modulation): the inverse of diffusers' `convert_flux_transformer_checkpoint_to_diffusers`."""
+    out = {}
+    take = state.pop
+    for src, dst in (("time_in", "timestep_embedder"), ("vector_in", "text_embedder"), ("guidance_in", "guidance_embedder")):
+        for p in ("weight", "bias"):
+            out[f"{src}.in_layer.{p}"] = take(f"time_text_embed.{dst}.linear_1.{p}")
+            out[f"{src}.out_layer.{p}"] = take(f"time_text_embed.{dst}.linear_2.{p}")
+    for p in ("weight", "bias"):
+        out[f"txt_in.{p}"] = take(f"context_embedder.{p}")
+        out[f"img_in.{p}"] = take(f"x_embedder.{p}")
+        out[f"final_layer.linear.{p}"] = take(f"proj_out.{p}")
+        scale, shift = take(f"norm_out.linear.{p}").chunk(2, dim=0)
+        out[f"final_layer.adaLN_modulation.1.{p}"] = torch.cat([shift, scale])
+    doubles = sorted({int(k.split(".")[1]) for k in state if k.startswith("transformer_blocks.")})
+    for i in doubles:
+        n, o = f"transformer_blocks.{i}.", f"double_blocks.{i}."
+        for p in ("weight", "bias"):
+            out[f"{o}img_mod.lin.{p}"] = take(f"{n}norm1.linear.{p}")
+            out[f"{o}txt_mod.lin.{p}"] = take(f"{n}norm1_context.linear.{p}")
+            out[f"{o}img_attn.qkv.{p}"] = torch.cat([take(f"{n}attn.to_{x}.{p}") for x in "qkv"])
+            out[f"{o}txt_attn.qkv.{p}"] = torch.cat([take(f"{n}attn.add_{x}_proj.{p}") for x in "qkv"])
+            out[f"{o}img_mlp.0.{p}"] = take(f"{n}ff.net.0.proj.{p}")
+            out[f"{o}img_mlp.2.{p}"] = take(f"{n}ff.net.2.{p}")
+            out[f"{o}txt_mlp.0.{p}"] = take(f"{n}ff_context.net.0.proj.{p}")
+            out[f"{o}txt_mlp.2.{p}"] = take(f"{n}ff_context.net.2.{p}")
+            out[f"{o}img_attn.proj.{p}"] = take(f"{n}attn.to_out.0.{p}")
+            out[f"{o}txt_attn.proj.{p}"] = take(f"{n}attn.to_add_out.{p}")
+        out[f"{o}img_attn.norm.query_norm.scale"] = take(f"{n}attn.norm_q.weight")
+        out[f"{o}img_attn.norm.key_norm.scale"] = take(f"{n}attn.norm_k.weight")
+        out[f"{o}txt_attn.norm.query_norm.scale"] = take(f"{n}attn.norm_added_q.weight")
+        out[f"{o}txt_attn.norm.key_norm.scale"] = take(f"{n}attn.norm_added_k.weight")
+    singles = sorted({int(k.split(".")[1]) for k in state if k.startswith("single_transformer_blocks.")})
+    for i in singles:
+        n, o = f"single_transformer_blocks.{i}.", f"single_blocks.{i}."
+        for p in ("weight", "bias"):
+            out[f"{o}modulation.lin.{p}"] = take(f"{n}norm.linear.{p}")
+            out[f"{o}linear1.{p}"] = torch.cat([take(f"{n}attn.to_{x}.{p}") for x in "qkv"] + [take(f"{n}proj_mlp.{p}")])
+            out[f"{o}linear2.{p}"] = take(f"{n}proj_out.{p}")
+        out[f"{o}norm.query_norm.scale"] = take(f"{n}attn.norm_q.weight")
+        out[f"{o}norm.key_norm.scale"] = take(f"{n}attn.norm_k.weight")
+    assert not state, f"unmapped keys {sorted(state)}"
+    return {"model.diffusion_model." + k: v.contiguous() for k, v in out.items()}
+
+
+def _diffusers_flux_converter(inner_dim: int):
+    """diffusers' converter hard-codes FLUX.1's width (3072); rebuild it for the tiny width to check our inverse."""
+    import inspect
+
+    from diffusers.loaders import single_file_utils
+
+    source = inspect.getsource(single_file_utils.convert_flux_transformer_checkpoint_to_diffusers)
+    assert "inner_dim = 3072" in source
+    namespace = dict(vars(single_file_utils))
+    exec(source.replace("inner_dim = 3072", f"inner_dim = {inner_dim}"), namespace)
+    return namespace["convert_flux_transformer_checkpoint_to_diffusers"]
+
+
+def write_flux_transformer(out: Path) -> None:
+    from diffusers import FluxTransformer2DModel
+    from safetensors.torch import save_file
+
+    out.mkdir(parents=True, exist_ok=True)
+    generator = torch.Generator().manual_seed(3)
+    model = FluxTransformer2DModel(**FLUX_TINY_CONFIG).eval()
+    _randomize(model, generator)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name and name.endswith(("norm_q.weight", "norm_k.weight", "norm_added_q.weight", "norm_added_k.weight")):
+                param.add_(1.0)  # torch RMSNorm multiplies by the weight itself
+    shutil.rmtree(out / "tiny", ignore_errors=True)
+    model.save_pretrained(out / "tiny")
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    original = flux_diffusers_to_original(dict(state))
+    back = _diffusers_flux_converter(model.inner_dim)(dict(original))
+    assert set(back) == set(state), set(back) ^ set(state)
+    for key in state:
+        assert torch.equal(back[key], state[key]), key
+    save_file(original, str(out / "tiny_original.safetensors"))
+
+    batch, text_len, grid_h, grid_w = 2, 7, 3, 5
+    hidden = torch.randn(batch, grid_h * grid_w, FLUX_TINY_CONFIG["in_channels"], generator=generator)
+    text = torch.randn(batch, text_len, FLUX_TINY_CONFIG["joint_attention_dim"], generator=generator)
+    pooled = torch.randn(batch, FLUX_TINY_CONFIG["pooled_projection_dim"], generator=generator)
+    timestep = torch.tensor([0.83, 0.27])
+    guidance = torch.tensor([3.5, 3.5])
+    img_ids = torch.zeros(grid_h, grid_w, 3)
+    img_ids[..., 1] = torch.arange(grid_h)[:, None]
+    img_ids[..., 2] = torch.arange(grid_w)[None, :]
+    img_ids = img_ids.reshape(-1, 3)
+    txt_ids = torch.zeros(text_len, 3)
+    with torch.no_grad():
+        output = model(hidden, text, pooled, timestep, img_ids, txt_ids, guidance, return_dict=False)[0]
+    np.savez(out / "reference.npz", hidden_states=hidden.numpy(), encoder_hidden_states=text.numpy(),
+             pooled_projections=pooled.numpy(), timestep=timestep.numpy(), guidance=guidance.numpy(),
+             img_ids=img_ids.numpy(), txt_ids=txt_ids.numpy(), output=output.numpy())
+    print(f"wrote FLUX transformer fixtures to {out}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=FIXTURES)
@@ -423,6 +528,7 @@ def main() -> None:
     write_scheduler(args.out / "scheduler")
     write_vaes(args.out / "vae")
     write_krea2_pipeline(args.out / "krea2")
+    write_flux_transformer(args.out / "flux")
 
 
 if __name__ == "__main__":

@@ -13,8 +13,8 @@ from safetensors.numpy import load_file
 
 from conftest import FIXTURES, relative_l2
 from mxdit.model.loading import CheckpointError, save_safetensors
-from mxdit.model.pipeline_krea2 import (PROMPT_PREFIX, PROMPT_SUFFIX, PREFIX_TOKENS, SUFFIX_TOKENS, Krea2Pipeline,
-                                        pack_latents, unpack_latents)
+from mxdit.model.pipeline_common import pack_latents, unpack_latents
+from mxdit.model.pipeline_krea2 import PROMPT_PREFIX, PROMPT_SUFFIX, PREFIX_TOKENS, SUFFIX_TOKENS, Krea2Pipeline
 from mxdit.model.qwen3vl_text import Qwen3VLTextConfig, Qwen3VLTextEncoder
 from mxdit.model.tokenizer import TextTokenizer
 

@@ -1,0 +1,162 @@
+"""The CLIP text transformer (FLUX's `text_encoder`) in Flax NNX, equal in function to transformers'
+`CLIPTextModel`: token + learned position embeddings, pre-norm causal self-attention layers with quick-GELU MLPs, a
+final LayerNorm, and the pooled output taken at each sequence's end-of-text token."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from .layers import Linear
+from .loading import config_from_dict, load_state, open_checkpoint, read_json
+
+
+@dataclasses.dataclass(frozen=True)
+class CLIPTextConfig:
+    """transformers' CLIPTextConfig; defaults are CLIP ViT-L/14's text tower, as FLUX uses."""
+
+    vocab_size: int = 49408
+    hidden_size: int = 768
+    intermediate_size: int = 3072
+    num_hidden_layers: int = 12
+    num_attention_heads: int = 12
+    max_position_embeddings: int = 77
+    hidden_act: str = "quick_gelu"
+    layer_norm_eps: float = 1e-5
+    eos_token_id: int = 2
+
+    @classmethod
+    def from_json(cls, path: str | Path) -> "CLIPTextConfig":
+        data = read_json(Path(path))
+        data = data.get("text_config", data)
+        known = {f.name for f in dataclasses.fields(cls)}
+        return config_from_dict(cls, {k: v for k, v in data.items() if k in known}, str(path))
+
+
+def _activation(name: str):
+    if name == "quick_gelu":
+        return lambda x: x * jax.nn.sigmoid(1.702 * x)
+    if name == "gelu":
+        return lambda x: jax.nn.gelu(x, approximate=False)
+    raise ValueError(f"hidden_act={name!r} is not implemented")
+
+
+class LayerNorm(nnx.Module):
+    def __init__(self, dim: int, eps: float, *, dtype):
+        self.eps = eps
+        self.weight = nnx.Param(jnp.ones((dim,), dtype))
+        self.bias = nnx.Param(jnp.zeros((dim,), dtype))
+
+    def __call__(self, x):
+        x32 = x.astype(jnp.float32)
+        mean = jnp.mean(x32, -1, keepdims=True)
+        var = jnp.mean(jnp.square(x32 - mean), -1, keepdims=True)
+        y = (x32 - mean) * jax.lax.rsqrt(var + self.eps)
+        return (y * self.weight[...].astype(jnp.float32) + self.bias[...].astype(jnp.float32)).astype(x.dtype)
+
+
+class Attention(nnx.Module):
+    def __init__(self, cfg: CLIPTextConfig, *, dtype, rngs):
+        d = cfg.hidden_size
+        self.heads = cfg.num_attention_heads
+        self.q_proj = Linear(d, d, bias=True, dtype=dtype, rngs=rngs)
+        self.k_proj = Linear(d, d, bias=True, dtype=dtype, rngs=rngs)
+        self.v_proj = Linear(d, d, bias=True, dtype=dtype, rngs=rngs)
+        self.out_proj = Linear(d, d, bias=True, dtype=dtype, rngs=rngs)
+
+    def __call__(self, x):
+        b, s, d = x.shape
+        shape = (b, s, self.heads, d // self.heads)
+        out = jax.nn.dot_product_attention(self.q_proj(x).reshape(shape), self.k_proj(x).reshape(shape),
+                                           self.v_proj(x).reshape(shape), is_causal=True)
+        return self.out_proj(out.reshape(b, s, d))
+
+
+class MLP(nnx.Module):
+    def __init__(self, cfg: CLIPTextConfig, *, dtype, rngs):
+        self.act = _activation(cfg.hidden_act)
+        self.fc1 = Linear(cfg.hidden_size, cfg.intermediate_size, bias=True, dtype=dtype, rngs=rngs)
+        self.fc2 = Linear(cfg.intermediate_size, cfg.hidden_size, bias=True, dtype=dtype, rngs=rngs)
+
+    def __call__(self, x):
+        return self.fc2(self.act(self.fc1(x)))
+
+
+class EncoderLayer(nnx.Module):
+    def __init__(self, cfg, *, dtype, rngs):
+        self.layer_norm1 = LayerNorm(cfg.hidden_size, cfg.layer_norm_eps, dtype=dtype)
+        self.self_attn = Attention(cfg, dtype=dtype, rngs=rngs)
+        self.layer_norm2 = LayerNorm(cfg.hidden_size, cfg.layer_norm_eps, dtype=dtype)
+        self.mlp = MLP(cfg, dtype=dtype, rngs=rngs)
+
+    def __call__(self, x):
+        x = x + self.self_attn(self.layer_norm1(x))
+        return x + self.mlp(self.layer_norm2(x))
+
+
+class Embedding(nnx.Module):
+    def __init__(self, vocab, dim, *, dtype, rngs):
+        self.weight = nnx.Param(jax.random.normal(rngs.params(), (vocab, dim), dtype) * 0.02)
+
+
+class Embeddings(nnx.Module):
+    def __init__(self, cfg, *, dtype, rngs):
+        self.token_embedding = Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype, rngs=rngs)
+        self.position_embedding = Embedding(cfg.max_position_embeddings, cfg.hidden_size, dtype=dtype, rngs=rngs)
+
+
+class Encoder(nnx.Module):
+    def __init__(self, cfg, *, dtype, rngs):
+        self.layers = nnx.List([EncoderLayer(cfg, dtype=dtype, rngs=rngs) for _ in range(cfg.num_hidden_layers)])
+
+
+class TextTransformer(nnx.Module):
+    def __init__(self, cfg, *, dtype, rngs):
+        self.embeddings = Embeddings(cfg, dtype=dtype, rngs=rngs)
+        self.encoder = Encoder(cfg, dtype=dtype, rngs=rngs)
+        self.final_layer_norm = LayerNorm(cfg.hidden_size, cfg.layer_norm_eps, dtype=dtype)
+
+
+class CLIPTextEncoder(nnx.Module):
+    """Token ids (batch, seq) -> (last hidden state (batch, seq, hidden), pooled output (batch, hidden))."""
+
+    def __init__(self, config: CLIPTextConfig, *, dtype: jnp.dtype = jnp.bfloat16, rngs: nnx.Rngs):
+        self.config = config
+        self.text_model = TextTransformer(config, dtype=dtype, rngs=rngs)
+
+    def __call__(self, input_ids: jax.Array) -> tuple[jax.Array, jax.Array]:
+        tm = self.text_model
+        seq = input_ids.shape[1]
+        x = jnp.take(tm.embeddings.token_embedding.weight[...], input_ids, axis=0)
+        x = x + tm.embeddings.position_embedding.weight[...][:seq]
+        for layer in tm.encoder.layers:
+            x = layer(x)
+        x = tm.final_layer_norm(x)
+        if self.config.eos_token_id == 2:
+            # Checkpoints from before transformers fixed eos_token_id: the end token has the largest id.
+            eos = jnp.argmax(input_ids, axis=-1)
+        else:
+            eos = jnp.argmax(input_ids == self.config.eos_token_id, axis=-1)  # its first occurrence
+        return x, x[jnp.arange(x.shape[0]), eos]
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, dtype: jnp.dtype = jnp.bfloat16, *,
+                        config: CLIPTextConfig | str | Path | None = None) -> "CLIPTextEncoder":
+        """Load a transformers `text_encoder/` folder (CLIPTextModel) or a single `.safetensors` file (ViT-L/14's
+        text config unless `config` is given). Vision-tower and projection weights of a full CLIP file are skipped."""
+        path = Path(path)
+        if isinstance(config, (str, Path)):
+            config = CLIPTextConfig.from_json(config)
+        if path.is_dir() and config is None:
+            config = CLIPTextConfig.from_json(path / "config.json")
+        return load_state(
+            lambda: cls(config or CLIPTextConfig(), dtype=dtype, rngs=nnx.Rngs(0)),
+            open_checkpoint(path, "model"),
+            ignore=lambda k: k.startswith(("vision_model.", "visual_projection", "text_projection", "logit_scale"))
+            or k.endswith("position_ids"),
+            source=str(path),
+        )

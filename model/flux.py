@@ -1,0 +1,403 @@
+"""The FLUX.1 transformer in Flax NNX, equal in function to diffusers' `FluxTransformer2DModel` (0.42.1).
+
+Read top to bottom: norms, time/text embeddings, attention, feed-forward, the double-stream block (separate text and
+image weights, joint attention), the single-stream block (fused attention and MLP), the model, then loading, including
+the original single-file layout (`flux1-dev.safetensors`), whose fused QKV tensors are split on the fly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from .layers import Linear, apply_rotary, rotary_tables
+from .loading import (CheckpointError, DerivedCheckpoint, config_from_dict, load_state, open_checkpoint, read_json)
+
+AttentionImpl = str  # "xla" or "cudnn"
+
+
+@dataclasses.dataclass(frozen=True)
+class FluxConfig:
+    """The transformer's config.json (diffusers names); defaults are FLUX.1-dev's."""
+
+    patch_size: int = 1
+    in_channels: int = 64
+    out_channels: int | None = None
+    num_layers: int = 19
+    num_single_layers: int = 38
+    attention_head_dim: int = 128
+    num_attention_heads: int = 24
+    joint_attention_dim: int = 4096
+    pooled_projection_dim: int = 768
+    guidance_embeds: bool = True
+    axes_dims_rope: tuple[int, int, int] = (16, 56, 56)
+
+    @property
+    def inner_dim(self) -> int:
+        return self.num_attention_heads * self.attention_head_dim
+
+    @classmethod
+    def from_json(cls, path: str | Path) -> "FluxConfig":
+        return config_from_dict(cls, read_json(Path(path)), str(path))
+
+
+def layer_norm(x: jax.Array, eps: float = 1e-6) -> jax.Array:
+    """LayerNorm without learned scale or shift, computed in float32."""
+    x32 = x.astype(jnp.float32)
+    mean = jnp.mean(x32, axis=-1, keepdims=True)
+    var = jnp.mean(jnp.square(x32 - mean), axis=-1, keepdims=True)
+    return ((x32 - mean) * jax.lax.rsqrt(var + eps)).astype(x.dtype)
+
+
+class RMSNorm(nnx.Module):
+    def __init__(self, dim: int, eps: float = 1e-6):
+        self.eps = eps
+        self.weight = nnx.Param(jnp.ones((dim,), jnp.float32))
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x32 = x.astype(jnp.float32)
+        y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return (y * self.weight[...].astype(jnp.float32)).astype(x.dtype)
+
+
+def timestep_sinusoids(t: jax.Array, dim: int = 256, max_period: float = 10000.0) -> jax.Array:
+    """diffusers' `Timesteps(dim, flip_sin_to_cos=True, downscale_freq_shift=0)`: [cos, sin] of t * freqs, float32."""
+    half = dim // 2
+    freqs = jnp.exp(-math.log(max_period) * jnp.arange(half, dtype=jnp.float32) / half)
+    args = t.astype(jnp.float32)[:, None] * freqs[None]
+    return jnp.concatenate([jnp.cos(args), jnp.sin(args)], axis=-1)
+
+
+class MLPEmbedder(nnx.Module):
+    """linear_1 -> SiLU -> linear_2 (diffusers' TimestepEmbedding and PixArtAlphaTextProjection with act silu)."""
+
+    def __init__(self, in_dim: int, dim: int, *, dtype, rngs):
+        self.linear_1 = Linear(in_dim, dim, bias=True, dtype=dtype, rngs=rngs)
+        self.linear_2 = Linear(dim, dim, bias=True, dtype=dtype, rngs=rngs)
+
+    def __call__(self, x):
+        return self.linear_2(jax.nn.silu(self.linear_1(x)))
+
+
+class TimeTextEmbedding(nnx.Module):
+    """Sum of the timestep embedding, the guidance embedding (FLUX.1-dev) and the pooled CLIP text projection."""
+
+    def __init__(self, cfg: FluxConfig, *, dtype, rngs):
+        self.timestep_embedder = MLPEmbedder(256, cfg.inner_dim, dtype=dtype, rngs=rngs)
+        self.guidance_embedder = MLPEmbedder(256, cfg.inner_dim, dtype=dtype, rngs=rngs) if cfg.guidance_embeds else None
+        self.text_embedder = MLPEmbedder(cfg.pooled_projection_dim, cfg.inner_dim, dtype=dtype, rngs=rngs)
+
+    def __call__(self, timestep, guidance, pooled):
+        emb = self.timestep_embedder(timestep_sinusoids(timestep).astype(pooled.dtype))
+        if self.guidance_embedder is not None:
+            emb = emb + self.guidance_embedder(timestep_sinusoids(guidance).astype(pooled.dtype))
+        return emb + self.text_embedder(pooled)
+
+
+class AdaNorm(nnx.Module):
+    """Adaptive LayerNorm: `linear(silu(temb))` gives `chunks` modulation vectors (diffusers' AdaLayerNormZero with 6,
+    AdaLayerNormZeroSingle with 3, AdaLayerNormContinuous with 2)."""
+
+    def __init__(self, dim: int, chunks: int, *, dtype, rngs):
+        self.chunks = chunks
+        self.linear = Linear(dim, chunks * dim, bias=True, dtype=dtype, rngs=rngs)
+
+    def __call__(self, temb: jax.Array) -> list[jax.Array]:
+        """temb (batch, dim) -> `chunks` arrays of shape (batch, 1, dim)."""
+        return jnp.split(self.linear(jax.nn.silu(temb))[:, None], self.chunks, axis=-1)
+
+
+class Attention(nnx.Module):
+    """Multi-head attention with q/k RMSNorm and rotary embedding; in double blocks also the text stream's own
+    projections (`add_*`), the two streams attending jointly as [text, image]."""
+
+    def __init__(self, cfg: FluxConfig, *, joint: bool, pre_only: bool, dtype, rngs):
+        dim, self.heads, self.head_dim = cfg.inner_dim, cfg.num_attention_heads, cfg.attention_head_dim
+        self.to_q = Linear(dim, dim, bias=True, dtype=dtype, rngs=rngs)
+        self.to_k = Linear(dim, dim, bias=True, dtype=dtype, rngs=rngs)
+        self.to_v = Linear(dim, dim, bias=True, dtype=dtype, rngs=rngs)
+        self.norm_q = RMSNorm(self.head_dim)
+        self.norm_k = RMSNorm(self.head_dim)
+        self.to_out = None if pre_only else nnx.List([Linear(dim, dim, bias=True, dtype=dtype, rngs=rngs)])
+        if joint:
+            self.add_q_proj = Linear(dim, dim, bias=True, dtype=dtype, rngs=rngs)
+            self.add_k_proj = Linear(dim, dim, bias=True, dtype=dtype, rngs=rngs)
+            self.add_v_proj = Linear(dim, dim, bias=True, dtype=dtype, rngs=rngs)
+            self.norm_added_q = RMSNorm(self.head_dim)
+            self.norm_added_k = RMSNorm(self.head_dim)
+            self.to_add_out = Linear(dim, dim, bias=True, dtype=dtype, rngs=rngs)
+
+    def _qkv(self, x, q_proj, k_proj, v_proj, norm_q, norm_k):
+        shape = (*x.shape[:2], self.heads, self.head_dim)
+        return norm_q(q_proj(x).reshape(shape)), norm_k(k_proj(x).reshape(shape)), v_proj(x).reshape(shape)
+
+    def __call__(self, x, rotary, implementation: AttentionImpl, context=None):
+        """x: (batch, seq, dim) image (or joint, in single blocks); context: (batch, text, dim) for double blocks."""
+        q, k, v = self._qkv(x, self.to_q, self.to_k, self.to_v, self.norm_q, self.norm_k)
+        if context is not None:
+            cq, ck, cv = self._qkv(context, self.add_q_proj, self.add_k_proj, self.add_v_proj,
+                                   self.norm_added_q, self.norm_added_k)
+            q, k, v = (jnp.concatenate(pair, axis=1) for pair in ((cq, q), (ck, k), (cv, v)))
+        q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
+        out = jax.nn.dot_product_attention(q, k, v, implementation=implementation)
+        out = out.reshape(*out.shape[:2], -1)
+        if context is None:
+            return out
+        text = context.shape[1]
+        return self.to_out[0](out[:, text:]), self.to_add_out(out[:, :text])
+
+
+class GELUProj(nnx.Module):
+    def __init__(self, dim: int, hidden: int, *, dtype, rngs):
+        self.proj = Linear(dim, hidden, bias=True, dtype=dtype, rngs=rngs)
+
+    def __call__(self, x):
+        return jax.nn.gelu(self.proj(x), approximate=True)
+
+
+class NoParams(nnx.Module):
+    """Stands where diffusers keeps a parameterless module (a Dropout) in a list, so indices match its keys."""
+
+    def __call__(self, x):
+        return x
+
+
+class FeedForward(nnx.Module):
+    def __init__(self, dim: int, *, dtype, rngs):
+        self.net = nnx.List([GELUProj(dim, 4 * dim, dtype=dtype, rngs=rngs), NoParams(),
+                             Linear(4 * dim, dim, bias=True, dtype=dtype, rngs=rngs)])
+
+    def __call__(self, x):
+        return self.net[2](self.net[0](x))
+
+
+class DoubleStreamBlock(nnx.Module):
+    """Text and image each with their own modulation, projections and MLP; attention over the joint sequence."""
+
+    def __init__(self, cfg: FluxConfig, *, dtype, rngs):
+        dim = cfg.inner_dim
+        self.norm1 = AdaNorm(dim, 6, dtype=dtype, rngs=rngs)
+        self.norm1_context = AdaNorm(dim, 6, dtype=dtype, rngs=rngs)
+        self.attn = Attention(cfg, joint=True, pre_only=False, dtype=dtype, rngs=rngs)
+        self.ff = FeedForward(dim, dtype=dtype, rngs=rngs)
+        self.ff_context = FeedForward(dim, dtype=dtype, rngs=rngs)
+
+    def __call__(self, x, context, temb, rotary, implementation):
+        shift, scale, gate, shift_mlp, scale_mlp, gate_mlp = self.norm1(temb)
+        c_shift, c_scale, c_gate, c_shift_mlp, c_scale_mlp, c_gate_mlp = self.norm1_context(temb)
+        attn, context_attn = self.attn(layer_norm(x) * (1 + scale) + shift, rotary, implementation,
+                                       context=layer_norm(context) * (1 + c_scale) + c_shift)
+        x = x + gate * attn
+        x = x + gate_mlp * self.ff(layer_norm(x) * (1 + scale_mlp) + shift_mlp)
+        context = context + c_gate * context_attn
+        context = context + c_gate_mlp * self.ff_context(layer_norm(context) * (1 + c_scale_mlp) + c_shift_mlp)
+        return x, context
+
+
+class SingleStreamBlock(nnx.Module):
+    """One stream over [text, image]: attention and a GELU MLP in parallel, one output projection of both."""
+
+    def __init__(self, cfg: FluxConfig, *, dtype, rngs):
+        dim = cfg.inner_dim
+        self.norm = AdaNorm(dim, 3, dtype=dtype, rngs=rngs)
+        self.proj_mlp = Linear(dim, 4 * dim, bias=True, dtype=dtype, rngs=rngs)
+        self.attn = Attention(cfg, joint=False, pre_only=True, dtype=dtype, rngs=rngs)
+        self.proj_out = Linear(5 * dim, dim, bias=True, dtype=dtype, rngs=rngs)
+
+    def __call__(self, x, temb, rotary, implementation):
+        shift, scale, gate = self.norm(temb)
+        h = layer_norm(x) * (1 + scale) + shift
+        mlp = jax.nn.gelu(self.proj_mlp(h), approximate=True)
+        return x + gate * self.proj_out(jnp.concatenate([self.attn(h, rotary, implementation), mlp], axis=-1))
+
+
+class FinalNorm(nnx.Module):
+    """diffusers' AdaLayerNormContinuous: (scale, shift) from the time embedding; note scale comes first here."""
+
+    def __init__(self, dim: int, *, dtype, rngs):
+        self.linear = Linear(dim, 2 * dim, bias=True, dtype=dtype, rngs=rngs)
+
+    def __call__(self, x, temb):
+        scale, shift = jnp.split(self.linear(jax.nn.silu(temb).astype(x.dtype))[:, None], 2, axis=-1)
+        return layer_norm(x) * (1 + scale) + shift
+
+
+class FluxTransformer(nnx.Module):
+    """FLUX.1: `model(hidden_states, encoder_hidden_states, pooled_projections, timestep, img_ids, txt_ids,
+    guidance=None)` as diffusers' forward. RMSNorm weights stay float32; `attention` as in `Krea2Transformer`."""
+
+    def __init__(self, config: FluxConfig, *, dtype: jnp.dtype = jnp.bfloat16, attention: str | None = None,
+                 rngs: nnx.Rngs):
+        self.config = config
+        self.dtype = jnp.dtype(dtype)
+        if attention is None:
+            on_gpu = jax.default_backend() == "gpu"
+            attention = "cudnn" if on_gpu and self.dtype in (jnp.bfloat16, jnp.float16) else "xla"
+        if attention not in ("xla", "cudnn"):
+            raise ValueError(f"attention must be 'xla' or 'cudnn', got {attention!r}")
+        self.attention = attention
+        dim = config.inner_dim
+        out = (config.out_channels or config.in_channels) * config.patch_size**2
+        self.time_text_embed = TimeTextEmbedding(config, dtype=dtype, rngs=rngs)
+        self.context_embedder = Linear(config.joint_attention_dim, dim, bias=True, dtype=dtype, rngs=rngs)
+        self.x_embedder = Linear(config.in_channels, dim, bias=True, dtype=dtype, rngs=rngs)
+        self.transformer_blocks = nnx.List([DoubleStreamBlock(config, dtype=dtype, rngs=rngs)
+                                            for _ in range(config.num_layers)])
+        self.single_transformer_blocks = nnx.List([SingleStreamBlock(config, dtype=dtype, rngs=rngs)
+                                                   for _ in range(config.num_single_layers)])
+        self.norm_out = FinalNorm(dim, dtype=dtype, rngs=rngs)
+        self.proj_out = Linear(dim, out, bias=True, dtype=dtype, rngs=rngs)
+
+    def __call__(self, hidden_states, encoder_hidden_states, pooled_projections, timestep, img_ids, txt_ids,
+                 guidance=None) -> jax.Array:
+        """Args:
+            hidden_states: (batch, image_seq, in_channels) packed latents.
+            encoder_hidden_states: (batch, text_seq, joint_attention_dim) T5 states.
+            pooled_projections: (batch, pooled_projection_dim) CLIP pooled output.
+            timestep: (batch,) in [0, 1]; guidance: (batch,) guidance scale (FLUX.1-dev), else None.
+            img_ids: (image_seq, 3), txt_ids: (text_seq, 3) rotary coordinates.
+        Returns: (batch, image_seq, out_channels * patch_size**2).
+        """
+        if self.config.guidance_embeds and guidance is None:
+            raise ValueError("this FLUX transformer embeds guidance (FLUX.1-dev): pass guidance=")
+        x = self.x_embedder(jnp.asarray(hidden_states, self.dtype))
+        pooled = jnp.asarray(pooled_projections, self.dtype)
+        timestep = jnp.asarray(timestep).astype(self.dtype) * 1000  # in the model dtype, as diffusers rounds it
+        if guidance is not None:
+            guidance = jnp.asarray(guidance).astype(self.dtype) * 1000
+        temb = self.time_text_embed(timestep, guidance, pooled)
+        context = self.context_embedder(jnp.asarray(encoder_hidden_states, self.dtype))
+        rotary = rotary_tables(jnp.concatenate([txt_ids, img_ids], axis=0), self.config.axes_dims_rope, 10000.0)
+        for block in self.transformer_blocks:
+            x, context = block(x, context, temb, rotary, self.attention)
+        text = context.shape[1]
+        x = jnp.concatenate([context, x], axis=1)
+        for block in self.single_transformer_blocks:
+            x = block(x, temb, rotary, self.attention)
+        return self.proj_out(self.norm_out(x[:, text:], temb))
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, dtype: jnp.dtype = jnp.bfloat16, *,
+                        config: FluxConfig | str | Path | None = None, attention: str | None = None) -> "FluxTransformer":
+        """Load a diffusers `transformer/` folder (one file or shards) or a single `.safetensors` file with diffusers
+        key names or the original release's (`flux1-dev.safetensors`, `flux1-schnell.safetensors`, optionally
+        prefixed `model.diffusion_model.`). A single file without `config` gets FLUX.1's sizes read from the weights
+        (guidance embedding if present: dev; absent: schnell)."""
+        path = Path(path)
+        if isinstance(config, (str, Path)):
+            config = FluxConfig.from_json(config)
+        if path.is_dir() and config is None:
+            config = FluxConfig.from_json(path / "config.json")
+        checkpoint = open_checkpoint(path, "diffusion_pytorch_model")
+        if any(k.replace("model.diffusion_model.", "").startswith("double_blocks.") for k in checkpoint.keys()):
+            checkpoint = original_checkpoint_view(checkpoint)
+        if config is None:
+            config = _config_from_shapes(checkpoint, path)
+        return load_state(lambda: cls(config, dtype=dtype, attention=attention, rngs=nnx.Rngs(0)), checkpoint,
+                          source=str(path))
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# The original single-file layout (black-forest-labs' flux1-dev.safetensors), as diffusers'
+# `convert_flux_transformer_checkpoint_to_diffusers` maps it
+
+
+def _split(parts: int, index: int):
+    return lambda array: np.split(array, parts, axis=0)[index]
+
+
+def _swap_halves(array):
+    # The original final modulation is (shift, scale); diffusers' AdaLayerNormContinuous wants (scale, shift).
+    shift, scale = np.split(array, 2, axis=0)
+    return np.concatenate([scale, shift], axis=0)
+
+
+def original_checkpoint_view(checkpoint) -> DerivedCheckpoint:
+    """The original FLUX layout presented under diffusers' names, fused tensors split lazily on read."""
+    keys = {k.replace("model.diffusion_model.", ""): k for k in checkpoint.keys()}
+    derived = {}
+
+    def add(new, old, fn=None, shape=None):
+        if old not in keys:
+            return
+        stored = checkpoint.shape(keys[old])
+        derived[new] = (keys[old], fn, shape or stored)
+
+    for src, dst in (("time_in", "timestep_embedder"), ("vector_in", "text_embedder"), ("guidance_in", "guidance_embedder")):
+        for p in ("weight", "bias"):
+            add(f"time_text_embed.{dst}.linear_1.{p}", f"{src}.in_layer.{p}")
+            add(f"time_text_embed.{dst}.linear_2.{p}", f"{src}.out_layer.{p}")
+    for p in ("weight", "bias"):
+        add(f"context_embedder.{p}", f"txt_in.{p}")
+        add(f"x_embedder.{p}", f"img_in.{p}")
+        add(f"proj_out.{p}", f"final_layer.linear.{p}")
+        if f"final_layer.adaLN_modulation.1.{p}" in keys:
+            add(f"norm_out.linear.{p}", f"final_layer.adaLN_modulation.1.{p}", _swap_halves)
+    doubles = sorted({int(k.split(".")[1]) for k in keys if k.startswith("double_blocks.")})
+    singles = sorted({int(k.split(".")[1]) for k in keys if k.startswith("single_blocks.")})
+    for i in doubles:
+        o, n = f"double_blocks.{i}.", f"transformer_blocks.{i}."
+        for p in ("weight", "bias"):
+            add(f"{n}norm1.linear.{p}", f"{o}img_mod.lin.{p}")
+            add(f"{n}norm1_context.linear.{p}", f"{o}txt_mod.lin.{p}")
+            for stream, names in (("img", ("to_q", "to_k", "to_v")), ("txt", ("add_q_proj", "add_k_proj", "add_v_proj"))):
+                qkv = f"{o}{stream}_attn.qkv.{p}"
+                if qkv in keys:
+                    shape = checkpoint.shape(keys[qkv])
+                    for j, name in enumerate(names):
+                        add(f"{n}attn.{name}.{p}", qkv, _split(3, j), (shape[0] // 3, *shape[1:]))
+            add(f"{n}ff.net.0.proj.{p}", f"{o}img_mlp.0.{p}")
+            add(f"{n}ff.net.2.{p}", f"{o}img_mlp.2.{p}")
+            add(f"{n}ff_context.net.0.proj.{p}", f"{o}txt_mlp.0.{p}")
+            add(f"{n}ff_context.net.2.{p}", f"{o}txt_mlp.2.{p}")
+            add(f"{n}attn.to_out.0.{p}", f"{o}img_attn.proj.{p}")
+            add(f"{n}attn.to_add_out.{p}", f"{o}txt_attn.proj.{p}")
+        add(f"{n}attn.norm_q.weight", f"{o}img_attn.norm.query_norm.scale")
+        add(f"{n}attn.norm_k.weight", f"{o}img_attn.norm.key_norm.scale")
+        add(f"{n}attn.norm_added_q.weight", f"{o}txt_attn.norm.query_norm.scale")
+        add(f"{n}attn.norm_added_k.weight", f"{o}txt_attn.norm.key_norm.scale")
+    for i in singles:
+        o, n = f"single_blocks.{i}.", f"single_transformer_blocks.{i}."
+        for p in ("weight", "bias"):
+            add(f"{n}norm.linear.{p}", f"{o}modulation.lin.{p}")
+            add(f"{n}proj_out.{p}", f"{o}linear2.{p}")
+            fused = f"{o}linear1.{p}"
+            if fused in keys:
+                # linear1 stacks q, k, v (inner_dim rows each) and the MLP input (4 * inner_dim rows)
+                shape = checkpoint.shape(keys[fused])
+                dim = shape[0] // 7
+                bounds = np.cumsum([0, dim, dim, dim, 4 * dim])
+                for j, name in enumerate(("attn.to_q", "attn.to_k", "attn.to_v", "proj_mlp")):
+                    lo, hi = int(bounds[j]), int(bounds[j + 1])
+                    add(f"{n}{name}.{p}", fused, (lambda a, lo=lo, hi=hi: a[lo:hi]), (hi - lo, *shape[1:]))
+        add(f"{n}attn.norm_q.weight", f"{o}norm.query_norm.scale")
+        add(f"{n}attn.norm_k.weight", f"{o}norm.key_norm.scale")
+    used = {src for src, _, _ in derived.values()}
+    unknown = sorted(k for k in checkpoint.keys() if k not in used)
+    return DerivedCheckpoint(checkpoint, derived, unknown)
+
+
+def _config_from_shapes(checkpoint, path: Path) -> FluxConfig:
+    keys = set(checkpoint.keys())
+    if "x_embedder.weight" not in keys:
+        raise CheckpointError(f"{path}: not a FLUX transformer checkpoint (no x_embedder / img_in weight)")
+    dim, in_channels = checkpoint.shape("x_embedder.weight")
+    head_dim = checkpoint.shape("transformer_blocks.0.attn.norm_q.weight")[0]
+    defaults = FluxConfig()
+    if head_dim != defaults.attention_head_dim:
+        raise CheckpointError(f"{path}: head_dim {head_dim} differs from FLUX.1's; the rotary split cannot be read "
+                              "from the weights, pass config= (a FluxConfig or a config.json path)")
+    return FluxConfig(
+        in_channels=in_channels, attention_head_dim=head_dim, num_attention_heads=dim // head_dim,
+        num_layers=len({k.split(".")[1] for k in keys if k.startswith("transformer_blocks.")}),
+        num_single_layers=len({k.split(".")[1] for k in keys if k.startswith("single_transformer_blocks.")}),
+        joint_attention_dim=checkpoint.shape("context_embedder.weight")[1],
+        pooled_projection_dim=checkpoint.shape("time_text_embed.text_embedder.linear_1.weight")[1],
+        guidance_embeds="time_text_embed.guidance_embedder.linear_1.weight" in keys,
+    )
