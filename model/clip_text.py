@@ -156,7 +156,9 @@ class CLIPTextEncoder(nnx.Module):
         return load_state(
             lambda: cls(config or CLIPTextConfig(), dtype=dtype, rngs=nnx.Rngs(0)),
             open_checkpoint(path, "model"),
-            ignore=lambda k: k.startswith(("vision_model.", "visual_projection", "text_projection", "logit_scale"))
-            or k.endswith("position_ids"),
+            # transformers 5 saves CLIPTextModel without its `text_model.` prefix; older saves (FLUX's repo) keep it
+            rename=lambda k: k if k.startswith(("text_model.", "vision_model.")) else "text_model." + k,
+            ignore=lambda k: k.startswith(("vision_model.", "text_model.visual_projection", "text_model.text_projection",
+                                           "text_model.logit_scale")) or k.endswith("position_ids"),
             source=str(path),
         )

@@ -45,21 +45,26 @@ def flow_match_schedule(
     image_seq_len: int | None = None,
     mu: float | None = None,
     shift: ShiftConfig = KREA2_SHIFT,
+    static_shift: float | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Sigmas and timesteps of the Euler schedule.
 
-    Pass `mu` for a fixed shift (Krea 2 Turbo: `KREA2_TURBO_MU`), or `image_seq_len` to compute it from the
-    resolution (Krea 2 Base). Returns `(sigmas, timesteps)`: float32 arrays of `num_inference_steps + 1` sigmas
-    (ending in 0) and `num_inference_steps` timesteps (`1000 * sigma`); the model is fed `timesteps / 1000`.
+    Pass `mu` for a fixed exponential shift (Krea 2 Turbo: `KREA2_TURBO_MU`), `image_seq_len` to compute mu from the
+    resolution (Krea 2 Base, FLUX.1-dev), or `static_shift` for a scheduler without dynamic shifting (FLUX.1-schnell:
+    1.0). Returns `(sigmas, timesteps)`: float32 arrays of `num_inference_steps + 1` sigmas (ending in 0) and
+    `num_inference_steps` timesteps (`1000 * sigma`); the model is fed `timesteps / 1000`.
     """
     if num_inference_steps < 1:
         raise ValueError(f"num_inference_steps must be >= 1, got {num_inference_steps}")
-    if (mu is None) == (image_seq_len is None):
-        raise ValueError("pass exactly one of mu (a fixed shift) or image_seq_len (a resolution-aware shift)")
-    if mu is None:
-        mu = calculate_shift(image_seq_len, shift)
+    if sum(x is not None for x in (mu, image_seq_len, static_shift)) != 1:
+        raise ValueError("pass exactly one of mu (a fixed shift), image_seq_len (a resolution-aware shift) or "
+                         "static_shift")
     sigmas = np.linspace(1.0, 1 / num_inference_steps, num_inference_steps).astype(np.float32)
-    sigmas = math.exp(mu) / (math.exp(mu) + (1 / sigmas - 1))  # exponential time shift, in float32 as diffusers
+    if static_shift is not None:
+        sigmas = static_shift * sigmas / (1 + (static_shift - 1) * sigmas)
+    else:
+        mu = calculate_shift(image_seq_len, shift) if mu is None else mu
+        sigmas = math.exp(mu) / (math.exp(mu) + (1 / sigmas - 1))  # exponential time shift, in float32 as diffusers
     timesteps = sigmas * np.float32(NUM_TRAIN_TIMESTEPS)
     return np.append(sigmas, np.float32(0.0)).astype(np.float32), timesteps.astype(np.float32)
 

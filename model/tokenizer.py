@@ -18,8 +18,9 @@ class TextTokenizer:
     """A `tokenizers.Tokenizer` with the padding token and sides of its `tokenizer_config.json`."""
 
     def __init__(self, tokenizer: Tokenizer, pad_token: str | None, padding_side: str = "right",
-                 truncation_side: str = "right"):
+                 truncation_side: str = "right", model_max_length: int | None = None):
         self.tokenizer = tokenizer
+        self.model_max_length = model_max_length
         self.pad_token = pad_token
         self.pad_token_id = tokenizer.token_to_id(pad_token) if pad_token is not None else None
         if pad_token is not None and self.pad_token_id is None:
@@ -43,7 +44,10 @@ class TextTokenizer:
         pad = config.get("pad_token")
         if isinstance(pad, dict):  # older configs store AddedToken dicts
             pad = pad.get("content")
-        return cls(tokenizer, pad, config.get("padding_side", "right"), config.get("truncation_side", "right"))
+        max_length = config.get("model_max_length")
+        max_length = max_length if isinstance(max_length, int) and max_length < 10**9 else None  # huge = unset
+        return cls(tokenizer, pad, config.get("padding_side", "right"), config.get("truncation_side", "right"),
+                   max_length)
 
     @property
     def vocab_size(self) -> int:

@@ -1,11 +1,14 @@
-"""Generate images from text with Krea 2.
+"""Generate images from text with Krea 2 or FLUX.1.
 
     python scripts/generate.py --model /models/Krea-2-Turbo --prompt "a red fox in the snow" --output fox.png
+    python scripts/generate.py --model /models/FLUX.1-dev --prompt "a red fox in the snow" --output fox.png
     python scripts/generate.py --demo --prompt "a red fox" --output demo.png     # tiny RANDOM-weight model, CPU
 
-Turbo or Base is read from the model folder (model_index.json `is_distilled`); --steps and --guidance override the
-defaults (Turbo 8 steps without guidance, Base 28 steps at 4.5). With several images, `--output x.png` writes
-x_0.png, x_1.png, ... An existing file is never overwritten unless --overwrite is given.
+The model family comes from the folder's model_index.json. Krea 2: Turbo or Base from `is_distilled` (Turbo 8 steps
+without guidance, Base 28 steps with CFG 4.5 and the negative prompt). FLUX.1: dev embeds --guidance (default 3.5,
+28 steps), schnell takes 4 steps; --true-cfg > 1 with --negative-prompt adds true classifier-free guidance. With
+several images, `--output x.png` writes x_0.png, x_1.png, ... An existing file is never overwritten unless
+--overwrite is given.
 """
 
 from __future__ import annotations
@@ -26,14 +29,16 @@ class _Parser(argparse.ArgumentParser):
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = _Parser(prog="generate.py", description="Generate images from text with Krea 2.")
+    parser = _Parser(prog="generate.py", description="Generate images from text with Krea 2 or FLUX.1.")
     source = parser.add_mutually_exclusive_group(required=True)
-    source.add_argument("--model", type=Path, help="a diffusers-layout Krea 2 folder")
+    source.add_argument("--model", type=Path, help="a diffusers-layout Krea 2 or FLUX.1 folder")
     source.add_argument("--demo", action="store_true", help="the built-in tiny model with random weights")
     parser.add_argument("--prompt", required=True, action="append", help="repeat for a batch of prompts")
     parser.add_argument("--negative-prompt", default=None, help="used with guidance > 0 (default: empty)")
     parser.add_argument("--steps", type=int, default=None)
-    parser.add_argument("--guidance", type=float, default=None, help="classifier-free guidance scale; 0 turns it off")
+    parser.add_argument("--guidance", type=float, default=None,
+                        help="Krea 2: CFG scale (0 turns it off); FLUX.1-dev: the embedded guidance (default 3.5)")
+    parser.add_argument("--true-cfg", type=float, default=1.0, help="FLUX.1: true CFG scale with --negative-prompt")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--height", type=int, default=None, help="pixels, a multiple of 16 (default 1024; demo 256)")
     parser.add_argument("--width", type=int, default=None, help="pixels, a multiple of 16 (default 1024; demo 256)")
@@ -42,7 +47,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--overwrite", action="store_true", help="replace existing output files")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="default bf16 (demo: fp32)")
     parser.add_argument("--tiled-decode", action="store_true", help="decode the VAE in tiles (large images)")
-    parser.add_argument("--max-sequence-length", type=int, default=512)
+    parser.add_argument("--max-sequence-length", type=int, default=None,
+                        help="text tokens (default: Krea 2 512, FLUX.1-dev 512, schnell 256)")
     args = parser.parse_args(argv)
 
     default_side = 256 if args.demo else 1024
@@ -93,7 +99,9 @@ def main(argv=None) -> int:
     from tqdm import tqdm
 
     from mxdit.model.loading import CheckpointError
-    from mxdit.model.pipeline_krea2 import Krea2Pipeline, demo_pipeline
+    from mxdit.model.pipeline_flux import FluxPipeline
+    from mxdit.model.pipeline_krea2 import demo_pipeline
+    from mxdit.model.pipelines import load_pipeline
 
     dtype = getattr(jnp, DTYPES[args.dtype])
     t0 = time.perf_counter()
@@ -102,13 +110,18 @@ def main(argv=None) -> int:
             pipe = demo_pipeline(Path(tempfile.mkdtemp(prefix="mxdit-demo-tokenizer-")), seed=0, dtype=dtype)
             print("mxdit demo: tiny Krea 2-shaped model with RANDOM weights -- the image is noise, not a picture.")
         else:
-            pipe = Krea2Pipeline.from_pretrained(args.model, dtype=dtype)
+            pipe = load_pipeline(args.model, dtype=dtype)
     except (CheckpointError, ValueError) as e:
         print(f"generate.py: error: {e}", file=sys.stderr)
         return 2
     load_s = time.perf_counter() - t0
 
-    steps = args.steps or pipe.config.default_steps
+    flux = isinstance(pipe, FluxPipeline)
+    steps = args.steps or ((28 if pipe.is_dev else 4) if flux else pipe.config.default_steps)
+    options = dict(guidance_scale=3.5 if args.guidance is None else args.guidance, true_cfg_scale=args.true_cfg) if flux \
+        else dict(guidance_scale=args.guidance)
+    if args.max_sequence_length:
+        options["max_sequence_length"] = args.max_sequence_length
     with tqdm(total=steps, desc="denoise", unit="step") as bar:
         def on_step(i, t, latents):
             jax.block_until_ready(latents)  # so the bar moves with the device, not with dispatch
@@ -116,8 +129,8 @@ def main(argv=None) -> int:
 
         try:
             out = pipe(args.prompt, args.negative_prompt, height=args.height, width=args.width, num_inference_steps=steps,
-                       guidance_scale=args.guidance, num_images_per_prompt=args.num_images, seed=args.seed,
-                       max_sequence_length=args.max_sequence_length, callback=on_step, tiled_decode=args.tiled_decode)
+                       num_images_per_prompt=args.num_images, seed=args.seed, callback=on_step,
+                       tiled_decode=args.tiled_decode, **options)
         except ValueError as e:
             print(f"generate.py: error: {e}", file=sys.stderr)
             return 2

@@ -519,6 +519,92 @@ def write_flux_transformer(out: Path) -> None:
     print(f"wrote FLUX transformer fixtures to {out}")
 
 
+def _word_tokenizer(words, specials, template, pad, model_max_length, folder, **special_tokens):
+    """A tiny word-level tokenizer with a post-processor template, saved as transformers saves a fast tokenizer."""
+    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {w: i for i, w in enumerate(words)}
+    for token in specials:
+        vocab.setdefault(token, len(vocab))
+    tok = Tokenizer(models.WordLevel(vocab, unk_token=special_tokens.get("unk_token", pad)))
+    tok.normalizer = normalizers.Lowercase()
+    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.WhitespaceSplit(), pre_tokenizers.Punctuation()])
+    tok.post_processor = processors.TemplateProcessing(
+        single=template, special_tokens=[(t, vocab[t]) for t in specials if t in template])
+    tok.add_special_tokens(list(specials))
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token=pad, model_max_length=model_max_length,
+                                   **special_tokens)
+    fast.save_pretrained(folder)
+    return fast
+
+
+FLUX_WORDS = ("a an the red green blue cat dog fox snow river house old night photo of in on at with small large "
+              "painting forest city , .").split()
+
+
+def write_flux_pipeline(out: Path) -> None:
+    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
+    from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
+
+    folder = out / "tiny_pipeline"
+    shutil.rmtree(folder, ignore_errors=True)
+    # CLIP: start/end tokens added around the text, padded with the end token, which has the largest id (so the
+    # legacy eos_token_id=2 rule of FLUX's CLIP config, "pool at the argmax id", finds it). T5: an end token appended.
+    clip_tok = _word_tokenizer(["<unk>"] + FLUX_WORDS, ["<|startoftext|>", "<|endoftext|>"],
+                               "<|startoftext|> $A <|endoftext|>", "<|endoftext|>", 16, folder / "tokenizer",
+                               bos_token="<|startoftext|>", eos_token="<|endoftext|>", unk_token="<unk>")
+    t5_tok = _word_tokenizer(["<pad>", "</s>", "<unk>"] + FLUX_WORDS, ["<pad>", "</s>", "<unk>"], "$A </s>", "<pad>",
+                             512, folder / "tokenizer_2", eos_token="</s>", unk_token="<unk>")
+    generator = torch.Generator().manual_seed(4)
+    clip = CLIPTextModel(CLIPTextConfig(vocab_size=clip_tok.vocab_size, hidden_size=32, intermediate_size=64,
+                                        num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=16,
+                                        hidden_act="quick_gelu", eos_token_id=2, bos_token_id=0, pad_token_id=1)).eval()
+    t5 = T5EncoderModel(T5Config(vocab_size=t5_tok.vocab_size, d_model=24, d_kv=8, d_ff=48, num_layers=2, num_heads=3,
+                                 relative_attention_num_buckets=8, relative_attention_max_distance=16,
+                                 feed_forward_proj="gated-gelu", decoder_start_token_id=0)).eval()
+    transformer = FluxTransformer2DModel(**dict(FLUX_TINY_CONFIG, in_channels=64, joint_attention_dim=24,
+                                                pooled_projection_dim=32)).eval()
+    vae = AutoencoderKL(**FLUX_VAE_TINY_CONFIG).eval()
+    for model in (clip, t5, transformer, vae):
+        _randomize(model, generator)
+    with torch.no_grad():
+        for model in (clip, t5, vae, transformer):
+            for name, param in model.named_parameters():
+                if name.endswith(("layer_norm.weight", "layer_norm1.weight", "layer_norm2.weight", "norm.weight",
+                                  "norm1.weight", "norm2.weight", "norm_q.weight", "norm_k.weight",
+                                  "norm_added_q.weight", "norm_added_k.weight", "norm_out.weight")):
+                    param.add_(1.0)
+    scheduler = FlowMatchEulerDiscreteScheduler(shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15,
+                                                base_image_seq_len=256, max_image_seq_len=4096)
+    pipe = FluxPipeline(scheduler=scheduler, vae=vae, text_encoder=clip, tokenizer=clip_tok, text_encoder_2=t5,
+                        tokenizer_2=t5_tok, transformer=transformer)
+    pipe.save_pretrained(folder)
+
+    max_len, height, width = 16, 64, 48
+    arrays = {}
+    with torch.no_grad():
+        embeds, pooled, _ = pipe.encode_prompt(PROMPTS, prompt_2=None, max_sequence_length=max_len, device="cpu")
+        arrays.update(prompt_embeds=embeds.numpy(), pooled_prompt_embeds=pooled.numpy())
+        ids = clip_tok(PROMPTS, padding="max_length", max_length=16, truncation=True, return_tensors="pt").input_ids
+        arrays.update(clip_ids=ids.numpy(), clip_last_hidden=clip(ids).last_hidden_state.numpy())
+        t5_ids = t5_tok(PROMPTS, padding="max_length", max_length=max_len, truncation=True, return_tensors="pt").input_ids
+        arrays.update(t5_ids=t5_ids.numpy())
+        seq = (height // 16) * (width // 16)
+        latents = torch.randn(2, seq, 64, generator=generator)
+        dev = pipe(prompt=PROMPTS, height=height, width=width, num_inference_steps=4, guidance_scale=3.5,
+                   latents=latents.clone(), max_sequence_length=max_len, output_type="latent")
+        images = pipe(prompt=PROMPTS, height=height, width=width, num_inference_steps=4, guidance_scale=3.5,
+                      latents=latents.clone(), max_sequence_length=max_len, output_type="np")
+        true_cfg = pipe(prompt=PROMPTS, negative_prompt="blurry", true_cfg_scale=2.0, height=height, width=width,
+                        num_inference_steps=3, guidance_scale=3.5, latents=latents.clone(), max_sequence_length=max_len,
+                        output_type="latent")
+        arrays.update(latents_in=latents.numpy(), dev_latents_out=dev.images.numpy(), dev_images=images.images,
+                      true_cfg_latents_out=true_cfg.images.numpy())
+    np.savez(out / "pipeline_reference.npz", **arrays)
+    print(f"wrote FLUX pipeline fixtures to {folder}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=FIXTURES)
@@ -529,6 +615,7 @@ def main() -> None:
     write_vaes(args.out / "vae")
     write_krea2_pipeline(args.out / "krea2")
     write_flux_transformer(args.out / "flux")
+    write_flux_pipeline(args.out / "flux")
 
 
 if __name__ == "__main__":

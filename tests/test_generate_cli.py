@@ -47,6 +47,16 @@ def test_model_folder_generates_several_images(tmp_path, capsys):
     assert (tmp_path / "x_0.png").is_file() and (tmp_path / "x_1.png").is_file()
 
 
+def test_flux_folder_is_recognised_from_its_model_index(tmp_path, capsys):
+    out = tmp_path / "flux.png"
+    code, captured = run(["--model", str(FIXTURES / "flux" / "tiny_pipeline"), "--prompt", "a red fox", "--height", "64",
+                          "--width", "80", "--steps", "2", "--dtype", "fp32", "--max-sequence-length", "16",
+                          "--output", str(out)], capsys)
+    assert code == 0, captured.err
+    with Image.open(out) as image:
+        assert image.size == (80, 64)
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--demo", "--prompt", "x", "--height", "100"], "--height 100: must be a multiple of 16"),
     (["--demo", "--prompt", "x", "--width", "8192"], "--width 8192: must be a multiple of 16 between 64 and 4096"),

@@ -1,0 +1,150 @@
+"""FLUX.1: transformer, T5 and CLIP text encoders and pipeline; parity with diffusers/transformers on tiny random
+fixtures (float32)."""
+
+import json
+import shutil
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from conftest import FIXTURES, relative_l2
+from mxdit.model.clip_text import CLIPTextEncoder
+from mxdit.model.flow_match import flow_match_schedule
+from mxdit.model.flux import FluxTransformer
+from mxdit.model.loading import CheckpointError, iter_params, save_safetensors
+from mxdit.model.pipeline_flux import FluxPipeline
+from mxdit.model.pipelines import load_pipeline
+from mxdit.model.t5_encoder import T5Encoder, relative_position_buckets
+from mxdit.model.tokenizer import TextTokenizer
+
+FLUX = FIXTURES / "flux"
+PIPELINE = FLUX / "tiny_pipeline"
+PROMPTS = ["a red fox in the snow, photo", "an old house near the river at night"]
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return dict(np.load(FLUX / "reference.npz"))
+
+
+@pytest.fixture(scope="module")
+def pipeline_reference():
+    return dict(np.load(FLUX / "pipeline_reference.npz"))
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return FluxTransformer.from_pretrained(FLUX / "tiny", jnp.float32)
+
+
+def run(model, r):
+    return model(r["hidden_states"], r["encoder_hidden_states"], r["pooled_projections"], r["timestep"],
+                 r["img_ids"], r["txt_ids"], r["guidance"])
+
+
+def test_transformer_matches_diffusers(tiny, reference):
+    out = run(tiny, reference)
+    assert out.shape == (2, 15, 16)  # batch 2, non-square 3x5 grid
+    assert relative_l2(out, reference["output"]) <= 1e-4
+
+
+def test_original_single_file_layout_matches_diffusers(tiny, reference):
+    # flux1-dev.safetensors layout: fused qkv / linear1 tensors, shift-first final modulation, ComfyUI prefix
+    model = FluxTransformer.from_pretrained(FLUX / "tiny_original.safetensors", jnp.float32,
+                                            config=FLUX / "tiny" / "config.json")
+    a, b = dict(iter_params(tiny)), dict(iter_params(model))
+    for key in a:
+        np.testing.assert_array_equal(np.asarray(a[key]), np.asarray(b[key]), err_msg=key)
+    assert relative_l2(run(model, reference), reference["output"]) <= 1e-4
+
+
+def test_original_layout_with_an_unknown_tensor_reports_it(tmp_path):
+    from safetensors.numpy import load_file
+
+    tensors = load_file(str(FLUX / "tiny_original.safetensors"))
+    tensors["model.diffusion_model.double_blocks.0.extra.weight"] = np.zeros(2, np.float32)
+    file = tmp_path / "flux.safetensors"
+    save_safetensors(tensors, file)
+    with pytest.raises(CheckpointError, match=r"unexpected keys \(1\): model\.diffusion_model\.double_blocks\.0\.extra"):
+        FluxTransformer.from_pretrained(file, config=FLUX / "tiny" / "config.json")
+
+
+def test_single_file_without_config_needs_the_released_head_dim():
+    with pytest.raises(CheckpointError, match="pass config="):
+        FluxTransformer.from_pretrained(FLUX / "tiny_original.safetensors")
+
+
+def test_dev_transformer_requires_guidance(tiny, reference):
+    with pytest.raises(ValueError, match="pass guidance="):
+        tiny(reference["hidden_states"], reference["encoder_hidden_states"], reference["pooled_projections"],
+             reference["timestep"], reference["img_ids"], reference["txt_ids"])
+
+
+def test_t5_encoder_and_tokenizer_match_transformers(pipeline_reference):
+    tokenizer = TextTokenizer.from_folder(PIPELINE / "tokenizer_2")
+    ids, _ = tokenizer(PROMPTS, max_length=16)
+    np.testing.assert_array_equal(ids, pipeline_reference["t5_ids"])  # end token kept, padded with <pad>
+    encoder = T5Encoder.from_pretrained(PIPELINE / "text_encoder_2", jnp.float32)
+    assert relative_l2(encoder(jnp.asarray(ids)), pipeline_reference["prompt_embeds"]) <= 1e-4
+
+
+def test_t5_position_buckets_follow_the_log_rule():
+    buckets = relative_position_buckets(1, 200, num_buckets=32, max_distance=128)[0]
+    assert buckets[0] == 0 and list(buckets[1:8]) == [17, 18, 19, 20, 21, 22, 23]  # keys after the query: upper half
+    assert buckets[199] == 31  # beyond max_distance: the last bucket
+    assert relative_position_buckets(5, 1, 32, 128)[4, 0] == 4  # keys before the query: lower half, exact up to 7
+
+
+def test_clip_encoder_and_pooled_output_match_transformers(pipeline_reference):
+    tokenizer = TextTokenizer.from_folder(PIPELINE / "tokenizer")
+    assert tokenizer.model_max_length == 16
+    ids, _ = tokenizer(PROMPTS, max_length=tokenizer.model_max_length)
+    np.testing.assert_array_equal(ids, pipeline_reference["clip_ids"])  # start/end tokens kept through truncation
+    encoder = CLIPTextEncoder.from_pretrained(PIPELINE / "text_encoder", jnp.float32)
+    hidden, pooled = encoder(jnp.asarray(ids))
+    assert relative_l2(hidden, pipeline_reference["clip_last_hidden"]) <= 1e-4
+    assert relative_l2(pooled, pipeline_reference["pooled_prompt_embeds"]) <= 1e-4
+
+
+@pytest.fixture(scope="module")
+def pipe():
+    return FluxPipeline.from_pretrained(PIPELINE, jnp.float32)
+
+
+def test_pipeline_prompt_embeddings_match_diffusers(pipe, pipeline_reference):
+    embeds, pooled = pipe.encode_prompt(PROMPTS, max_sequence_length=16)
+    assert relative_l2(embeds, pipeline_reference["prompt_embeds"]) <= 1e-4
+    assert relative_l2(pooled, pipeline_reference["pooled_prompt_embeds"]) <= 1e-4
+
+
+def test_dev_pipeline_matches_diffusers_after_all_steps(pipe, pipeline_reference):
+    out = pipe(PROMPTS, height=64, width=48, num_inference_steps=4, guidance_scale=3.5, output_type="np",
+               latents=pipeline_reference["latents_in"], max_sequence_length=16)
+    assert relative_l2(out.latents, pipeline_reference["dev_latents_out"]) <= 1e-3
+    assert out.images.shape == (2, 64, 48, 3)
+    assert relative_l2(out.images, pipeline_reference["dev_images"]) <= 1e-3
+
+
+def test_true_cfg_with_a_negative_prompt_matches_diffusers(pipe, pipeline_reference):
+    out = pipe(PROMPTS, "blurry", true_cfg_scale=2.0, height=64, width=48, num_inference_steps=3, guidance_scale=3.5,
+               latents=pipeline_reference["latents_in"], max_sequence_length=16, output_type="latent")
+    assert relative_l2(out.latents, pipeline_reference["true_cfg_latents_out"]) <= 1e-3
+
+
+def test_schnell_schedule_has_no_dynamic_shift():
+    sigmas, timesteps = flow_match_schedule(4, static_shift=1.0)
+    np.testing.assert_allclose(sigmas, [1.0, 0.75, 0.5, 0.25, 0.0], atol=1e-7)
+    np.testing.assert_allclose(timesteps, [1000, 750, 500, 250], atol=1e-4)
+
+
+def test_load_pipeline_picks_the_family_from_model_index(tmp_path):
+    assert isinstance(load_pipeline(PIPELINE, jnp.float32), FluxPipeline)
+    folder = tmp_path / "other"
+    shutil.copytree(PIPELINE, folder)
+    (folder / "model_index.json").write_text(json.dumps({"_class_name": "StableDiffusionPipeline"}))
+    with pytest.raises(CheckpointError, match="pipeline 'StableDiffusionPipeline' is not supported"):
+        load_pipeline(folder)
+    (folder / "model_index.json").unlink()
+    with pytest.raises(CheckpointError, match="model_index.json: file not found"):
+        load_pipeline(folder)
