@@ -4,6 +4,7 @@
     python scripts/benchmark.py krea2-step --num-layers 2 --no-diffusers   # a quick smoke run
     python scripts/benchmark.py vae-decode                      # Qwen-Image and FLUX VAE decode, 1024 and 2048
     python scripts/benchmark.py krea2-pipeline                  # Turbo 8 steps end to end, warm and cold
+    python scripts/benchmark.py flux-step                       # FLUX.1-dev, one step at 1024x1024
 
 Weights are random (bf16); the shapes are the released model's: 4096 image tokens (1024x1024), 512 text tokens of
 which 120 are real (the padding mask). JAX is timed with many steps inside one jitted program (`lax.fori_loop`),
@@ -427,6 +428,112 @@ def krea2_pipeline(args) -> None:
         Path(args.json).write_text(json.dumps(rows, indent=1))
 
 
+def _flux_inputs(cfg, height: int, width: int, text_len: int, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    grid_h, grid_w = height // 16, width // 16
+    hidden = rng.standard_normal((1, grid_h * grid_w, cfg.in_channels), np.float32)
+    text = rng.standard_normal((1, text_len, cfg.joint_attention_dim), np.float32)
+    pooled = rng.standard_normal((1, cfg.pooled_projection_dim), np.float32)
+    img_ids = np.zeros((grid_h, grid_w, 3), np.float32)
+    img_ids[..., 1], img_ids[..., 2] = np.arange(grid_h)[:, None], np.arange(grid_w)[None, :]
+    return hidden, text, pooled, img_ids.reshape(-1, 3), np.zeros((text_len, 3), np.float32)
+
+
+def _flux_flops(cfg, image_len: int, text_len: int) -> float:
+    d, seq = cfg.inner_dim, image_len + text_len
+    double = 2 * seq * (4 * d * d + 8 * d * d) + 4 * seq * seq * d  # qkv+out and MLP, both streams; attention
+    single = 2 * seq * (3 * d * d + 4 * d * d + 5 * d * d) + 4 * seq * seq * d
+    return cfg.num_layers * double + cfg.num_single_layers * single
+
+
+def jax_flux_step(args) -> list[dict]:
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from mxdit.model.flux import FluxConfig, FluxTransformer
+
+    cfg = FluxConfig()
+    model = FluxTransformer(cfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+    hidden, text, pooled, img_ids, txt_ids = _flux_inputs(cfg, args.height, args.width, args.text_len)
+    hidden, text, pooled = (jnp.asarray(a, jnp.bfloat16) for a in (hidden, text, pooled))
+    img_ids, txt_ids = jnp.asarray(img_ids), jnp.asarray(txt_ids)
+    graphdef, state = nnx.split(model)
+
+    @jax.jit
+    def step(state, x, t):
+        m = nnx.merge(graphdef, state)
+        v = m(x, text, pooled, jnp.full((1,), t), img_ids, txt_ids, jnp.full((1,), 3.5))
+        return (x + 1e-3 * v).astype(x.dtype)
+
+    row = {"name": f"jax FLUX.1-dev bf16, {model.attention} attention, a dispatch per step"}
+    t0 = time.perf_counter()
+    jax.block_until_ready(step(state, hidden, 0.5))
+    row["compile_s"] = time.perf_counter() - t0
+    times = []
+    for _ in range(args.repeats):
+        x = hidden
+        t0 = time.perf_counter()
+        for i in range(args.iters):
+            x = step(state, x, 0.9 - 0.01 * i)
+        jax.block_until_ready(x)
+        times.append((time.perf_counter() - t0) / args.iters)
+    row["s_per_step"] = statistics.median(times)
+    row["tflops"] = _flux_flops(cfg, hidden.shape[1], text.shape[1]) / row["s_per_step"] / 1e12
+    row["peak_gb"] = (jax.devices()[0].memory_stats() or {}).get("peak_bytes_in_use", 0) / 1e9
+    print(json.dumps(row), flush=True)
+    return [row]
+
+
+def diffusers_flux_step(args) -> list[dict]:
+    import torch
+    from diffusers import FluxTransformer2DModel
+
+    from mxdit.model.flux import FluxConfig
+
+    cfg = FluxConfig()
+    torch.set_default_dtype(torch.bfloat16)
+    with torch.device("cuda"):
+        model = FluxTransformer2DModel(**{k: v for k, v in dataclasses.asdict(cfg).items()}).eval()
+    torch.set_default_dtype(torch.float32)
+    hidden, text, pooled, img_ids, txt_ids = _flux_inputs(cfg, args.height, args.width, args.text_len)
+    to = lambda a, dtype=torch.bfloat16: torch.from_numpy(a).cuda().to(dtype)
+    inputs = dict(hidden_states=to(hidden), encoder_hidden_states=to(text), pooled_projections=to(pooled),
+                  timestep=torch.full((1,), 0.5, device="cuda", dtype=torch.bfloat16), img_ids=to(img_ids, torch.float32),
+                  txt_ids=to(txt_ids, torch.float32), guidance=torch.full((1,), 3.5, device="cuda"), return_dict=False)
+    row = {"name": "diffusers FLUX.1-dev eager bf16"}
+    with torch.inference_mode():
+        t0 = time.perf_counter()
+        for _ in range(2):
+            model(**inputs)
+        torch.cuda.synchronize()
+        row["compile_s"] = time.perf_counter() - t0
+        times = []
+        for _ in range(args.repeats):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(args.iters):
+                model(**inputs)
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end) / 1e3 / args.iters)
+    row["s_per_step"] = statistics.median(times)
+    row["tflops"] = _flux_flops(cfg, hidden.shape[1], text.shape[1]) / row["s_per_step"] / 1e12
+    row["peak_gb"] = torch.cuda.max_memory_allocated() / 1e9
+    print(json.dumps(row), flush=True)
+    return [row]
+
+
+def flux_step(args) -> None:
+    forwarded = ["--height", str(args.height), "--width", str(args.width), "--text-len", str(args.text_len),
+                 "--iters", str(args.iters), "--repeats", str(args.repeats)]
+    rows = _subprocess_rows(args, "flux-step-diffusers", forwarded) if args.diffusers else []
+    rows += _subprocess_rows(args, "flux-step-jax", forwarded)
+    _table(rows, f"FLUX.1-dev step, {args.height}x{args.width}, text {args.text_len}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
+
+
 def krea2_step(args) -> None:
     rows = _subprocess_rows(args, "krea2-step-diffusers", _forwarded(args)) if args.diffusers else []
     rows += jax_krea2_step(args)
@@ -492,8 +599,17 @@ def main(argv=None) -> None:
         p.add_argument("--repeats", type=int, default=2, help="warm runs after the cold one")
         p.add_argument("--no-diffusers", dest="diffusers", action="store_false")
         p.add_argument("--json", default=None)
+    for name in ("flux-step", "flux-step-diffusers", "flux-step-jax"):
+        p = sub.add_parser(name)
+        p.add_argument("--height", type=int, default=1024)
+        p.add_argument("--width", type=int, default=1024)
+        p.add_argument("--text-len", type=int, default=512)
+        p.add_argument("--iters", type=int, default=10)
+        p.add_argument("--repeats", type=int, default=3)
+        p.add_argument("--no-diffusers", dest="diffusers", action="store_false")
+        p.add_argument("--json", default=None)
     args = parser.parse_args(argv)
-    commands = {"krea2-pipeline": krea2_pipeline, "krea2-pipeline-diffusers": diffusers_krea2_pipeline,
+    commands = {"flux-step": flux_step, "flux-step-diffusers": diffusers_flux_step, "flux-step-jax": jax_flux_step,"krea2-pipeline": krea2_pipeline, "krea2-pipeline-diffusers": diffusers_krea2_pipeline,
                 "krea2-pipeline-jax": jax_krea2_pipeline,"krea2-step": krea2_step, "krea2-step-diffusers": diffusers_krea2_step,
                 "vae-decode": vae_decode, "vae-decode-diffusers": diffusers_vae_decode, "vae-decode-jax": jax_vae_decode}
     commands[args.command](args)
