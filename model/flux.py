@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from .layers import Linear, apply_rotary, rotary_tables
+from .layers import Linear, apply_rotary, attention_implementation, rotary_tables
 from .loading import (CheckpointError, DerivedCheckpoint, config_from_dict, load_state, open_checkpoint, read_json)
 
 AttentionImpl = str  # "xla" or "cudnn"
@@ -236,12 +236,7 @@ class FluxTransformer(nnx.Module):
                  rngs: nnx.Rngs):
         self.config = config
         self.dtype = jnp.dtype(dtype)
-        if attention is None:
-            on_gpu = jax.default_backend() == "gpu"
-            attention = "cudnn" if on_gpu and self.dtype in (jnp.bfloat16, jnp.float16) else "xla"
-        if attention not in ("xla", "cudnn"):
-            raise ValueError(f"attention must be 'xla' or 'cudnn', got {attention!r}")
-        self.attention = attention
+        self.attention = attention_implementation(attention, self.dtype)
         dim = config.inner_dim
         out = (config.out_channels or config.in_channels) * config.patch_size**2
         self.time_text_embed = TimeTextEmbedding(config, dtype=dtype, rngs=rngs)

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from .layers import Linear, apply_rotary, rotary_tables
+from .layers import Linear, apply_rotary, attention_implementation, rotary_tables
 from .loading import CheckpointError, config_from_dict, load_state, open_checkpoint, read_json
 
 AttentionImpl = Literal["xla", "cudnn"]
@@ -267,12 +267,7 @@ class Krea2Transformer(nnx.Module):
     ):
         cfg = self.config = config
         self.dtype = jnp.dtype(dtype)
-        if attention is None:
-            on_gpu = jax.default_backend() == "gpu"
-            attention = "cudnn" if on_gpu and self.dtype in (jnp.bfloat16, jnp.float16) else "xla"
-        if attention not in ("xla", "cudnn"):
-            raise ValueError(f"attention must be 'xla' or 'cudnn', got {attention!r}")
-        self.attention = attention
+        self.attention = attention_implementation(attention, self.dtype)
         dim = cfg.hidden_size
         self.img_in = Linear(cfg.in_channels, dim, bias=True, dtype=dtype, rngs=rngs)
         self.time_embed = TimestepEmbedding(cfg.timestep_embed_dim, dim, dtype=dtype, rngs=rngs)

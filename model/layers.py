@@ -8,6 +8,16 @@ import numpy as np
 from flax import nnx
 
 
+def attention_implementation(requested: str | None, dtype) -> str:
+    """The attention kernel a model uses: "cudnn" on a GPU for 16-bit dtypes unless asked otherwise, else "xla"."""
+    if requested is None:
+        on_gpu = jax.default_backend() == "gpu"
+        requested = "cudnn" if on_gpu and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16) else "xla"
+    if requested not in ("xla", "cudnn"):
+        raise ValueError(f"attention must be 'xla' or 'cudnn', got {requested!r}")
+    return requested
+
+
 class Linear(nnx.Module):
     """`y = x @ weight.T + bias`, with `weight` of shape `(out_features, in_features)`.
 

@@ -133,6 +133,37 @@ def _dispatch_loop(step, state, x, text, timestep, n):
     return x
 
 
+def _torch_time(fn, inputs: dict, args, name: str, flops: float, warmup: int = 3) -> dict:
+    """Median seconds per call of fn(**inputs) over args.repeats runs of args.iters calls, timed with CUDA events."""
+    import torch
+
+    row = {"name": name}
+    try:
+        with torch.inference_mode():
+            t0 = time.perf_counter()
+            for _ in range(warmup):
+                fn(**inputs)
+            torch.cuda.synchronize()
+            row["compile_s"] = time.perf_counter() - t0
+            times = []
+            for _ in range(args.repeats):
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                for _ in range(args.iters):
+                    fn(**inputs)
+                end.record()
+                torch.cuda.synchronize()
+                times.append(start.elapsed_time(end) / 1e3 / args.iters)
+        row["s_per_step"] = statistics.median(times)
+        row["spread"] = (max(times) - min(times)) / row["s_per_step"]
+        row["tflops"] = flops / row["s_per_step"] / 1e12
+    except Exception as e:
+        row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
+    row["peak_gb"] = torch.cuda.max_memory_allocated() / 1e9
+    print(json.dumps(row), flush=True)
+    return row
+
+
 def diffusers_krea2_step(args) -> list[dict]:
     """diffusers' Krea2Transformer2DModel eager (and torch.compile with --torch-compile), CUDA events."""
     import torch
@@ -159,36 +190,9 @@ def diffusers_krea2_step(args) -> list[dict]:
     )
     flops = _step_flops(cfg, hidden.shape[1], text.shape[1])
 
-    def timed(fn, name):
-        row = {"name": name}
-        try:
-            t0 = time.perf_counter()
-            with torch.inference_mode():
-                for _ in range(3):
-                    fn(**inputs)
-                torch.cuda.synchronize()
-                row["compile_s"] = time.perf_counter() - t0
-                times = []
-                for _ in range(args.repeats):
-                    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                    start.record()
-                    for _ in range(args.iters):
-                        fn(**inputs)
-                    end.record()
-                    torch.cuda.synchronize()
-                    times.append(start.elapsed_time(end) / 1e3 / args.iters)
-            row["s_per_step"] = statistics.median(times)
-            row["spread"] = (max(times) - min(times)) / row["s_per_step"]
-            row["tflops"] = flops / row["s_per_step"] / 1e12
-        except Exception as e:
-            row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
-        row["peak_gb"] = torch.cuda.max_memory_allocated() / 1e9
-        print(json.dumps(row), flush=True)
-        return row
-
-    results = [timed(model, "diffusers eager bf16, masked")]
+    results = [_torch_time(model, inputs, args, "diffusers eager bf16, masked", flops)]
     if args.torch_compile:
-        results.append(timed(torch.compile(model), "diffusers torch.compile bf16, masked"))
+        results.append(_torch_time(torch.compile(model), inputs, args, "diffusers torch.compile bf16, masked", flops))
     return results
 
 
@@ -501,27 +505,8 @@ def diffusers_flux_step(args) -> list[dict]:
     inputs = dict(hidden_states=to(hidden), encoder_hidden_states=to(text), pooled_projections=to(pooled),
                   timestep=torch.full((1,), 0.5, device="cuda", dtype=torch.bfloat16), img_ids=to(img_ids, torch.float32),
                   txt_ids=to(txt_ids, torch.float32), guidance=torch.full((1,), 3.5, device="cuda"), return_dict=False)
-    row = {"name": "diffusers FLUX.1-dev eager bf16"}
-    with torch.inference_mode():
-        t0 = time.perf_counter()
-        for _ in range(2):
-            model(**inputs)
-        torch.cuda.synchronize()
-        row["compile_s"] = time.perf_counter() - t0
-        times = []
-        for _ in range(args.repeats):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(args.iters):
-                model(**inputs)
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end) / 1e3 / args.iters)
-    row["s_per_step"] = statistics.median(times)
-    row["tflops"] = _flux_flops(cfg, hidden.shape[1], text.shape[1]) / row["s_per_step"] / 1e12
-    row["peak_gb"] = torch.cuda.max_memory_allocated() / 1e9
-    print(json.dumps(row), flush=True)
-    return [row]
+    flops = _flux_flops(cfg, hidden.shape[1], text.shape[1])
+    return [_torch_time(model, inputs, args, "diffusers FLUX.1-dev eager bf16", flops, warmup=2)]
 
 
 def flux_step(args) -> None:
