@@ -83,9 +83,13 @@ def _quantized_nbytes(shape: tuple[int, ...], fmt: str) -> int:
     return jax.eval_shape(lambda x: quantize(x, fmt), jax.ShapeDtypeStruct(shape, jnp.float32)).nbytes
 
 
+class QuantizedCheckpointError(ValueError):
+    """A quantized checkpoint that cannot be read; the message names the file and key."""
+
+
 def save_quantized(params: Mapping[str, jax.Array | QuantizedArray], path: str | Path) -> None:
     """Write parameters, some quantized, to one safetensors file (atomically) with the metadata that rebuilds them."""
-    from mxdit.model.loading import save_safetensors
+    from safetensors.numpy import save_file
 
     tensors, meta = {}, {}
     for key, value in params.items():
@@ -99,20 +103,25 @@ def save_quantized(params: Mapping[str, jax.Array | QuantizedArray], path: str |
                 tensors[f"{key}.{name}"] = _storable(np.asarray(array))
         else:
             tensors[key] = np.asarray(value)
-    save_safetensors(tensors, Path(path), metadata={"mxdit.quant": json.dumps(meta)})
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp")  # written beside, then renamed: an existing file is never half-written
+    try:
+        save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, str(tmp),
+                  metadata={"mxdit.quant": json.dumps(meta)})
+        tmp.replace(path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def load_quantized(path: str | Path) -> dict[str, jax.Array | QuantizedArray]:
     """Inverse of `save_quantized`: the same parameters, QuantizedArrays rebuilt bit for bit."""
     from safetensors import safe_open
 
-    from mxdit.model.loading import CheckpointError
-
     path = Path(path)
     try:
         handle = safe_open(str(path), framework="numpy")
     except Exception as e:
-        raise CheckpointError(f"{path}: not a readable safetensors file ({e})") from None
+        raise QuantizedCheckpointError(f"{path}: not a readable safetensors file ({e})") from None
     meta = json.loads((handle.metadata() or {}).get("mxdit.quant", "{}"))
     out, used = {}, set()
     for key, info in meta.items():
@@ -120,7 +129,7 @@ def load_quantized(path: str | Path) -> dict[str, jax.Array | QuantizedArray]:
         for name, dtype in info["dtypes"].items():
             stored = f"{key}.{name}"
             if stored not in handle.keys():
-                raise CheckpointError(f"{path}: {key} is quantized ({info['format']}) but {stored} is missing")
+                raise QuantizedCheckpointError(f"{path}: {key} is quantized ({info['format']}) but {stored} is missing")
             arrays[name] = jnp.asarray(_restore(handle.get_tensor(stored), dtype))
             used.add(stored)
         out[key] = QuantizedArray(arrays["qdata"], arrays["qscale"], arrays.get("qtensor_scale"), info["format"],

@@ -108,3 +108,19 @@ def test_quantize_script_writes_a_loadable_checkpoint_and_keeps_existing_files(t
     with pytest.raises(SystemExit):
         script.main(argv)
     assert "already exists" in capsys.readouterr().err and out.read_bytes() == before
+
+
+def test_quality_table_on_the_demo_model(tmp_path):
+    # Random weights: this checks the path (quantize -> dequantize -> generate -> compare -> gate), not quality.
+    from mxdit.model.pipeline_krea2 import demo_pipeline
+    from mxdit.model.quality import format_table, krea2_quality
+
+    pipe = demo_pipeline(tmp_path / "tokenizer", dtype=jnp.float32)
+    rows = krea2_quality(pipe, ["fp8_e4m3", "mxfp4_e2m1"], ["a red fox"], [0], height=32, width=32, steps=1,
+                         max_sequence_length=16)
+    assert [r.fmt for r in rows] == ["reference", "fp8_e4m3", "mxfp4_e2m1"]
+    fp8, fp4 = rows[1].report, rows[2].report
+    assert 0.99 < fp4.cosine < fp8.cosine < 1.0 and fp8.nonfinite == 0
+    assert 0 < fp4.ssim <= 1 and fp4.psnr > 0
+    assert rows[2].weight_bytes < rows[1].weight_bytes < rows[0].weight_bytes
+    assert "mxfp4_e2m1" in format_table(rows)

@@ -1,0 +1,83 @@
+"""How much a quantization format costs in image quality: generate with the unquantized pipeline and with its
+transformer's weights quantized to each format (weight-only: dequantized to the compute dtype), and compare the
+transformer's output and the decoded images through `quant.gates`."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from mxdit.quant.gates import GateReport, evaluate
+from mxdit.quant.model import dequantize_model, krea2_rules, quantize_model, weight_bytes
+
+from .images import unit_range_to_uint8
+from .loading import iter_params, module_key
+from .pipeline_common import image_position_ids
+from .pipeline_krea2 import Krea2Pipeline
+
+
+def with_params(module: nnx.Module, params: dict[str, jax.Array]) -> nnx.Module:
+    """A copy of `module` whose parameters (by checkpoint key) are replaced by `params`, cast to their dtypes."""
+    graphdef, state = nnx.split(nnx.clone(module))
+    flat = nnx.to_flat_state(state)
+    for path, variable in flat:
+        key = module_key(path)
+        if key in params:
+            variable.set_value(jnp.asarray(params[key], variable.get_value().dtype))
+    return nnx.merge(graphdef, nnx.from_flat_state(flat))
+
+
+@dataclasses.dataclass(frozen=True)
+class QualityRow:
+    fmt: str
+    weight_bytes: int
+    report: GateReport | None  # None for the unquantized reference
+
+
+def krea2_quality(pipe: Krea2Pipeline, formats: Sequence[str], prompts: Sequence[str], seeds: Sequence[int], *,
+                  height: int, width: int, steps: int | None = None, max_sequence_length: int = 512) -> list[QualityRow]:
+    """The seed-000-style table for a Krea 2 pipeline: per format, SSIM and PSNR of the decoded images against the
+    unquantized ones (all prompts x seeds side by side), cosine etc. of the transformer's first-step output."""
+    kwargs = dict(height=height, width=width, num_inference_steps=steps, max_sequence_length=max_sequence_length,
+                  output_type="np")
+
+    def images(p: Krea2Pipeline) -> np.ndarray:
+        return np.concatenate([unit_range_to_uint8(p(prompts, seed=s, **kwargs).images * 2 - 1) for s in seeds], axis=2)
+
+    def velocity(model) -> np.ndarray:  # one transformer call on fixed inputs, as the gates' tensor check
+        embeds, mask = pipe.encode_prompt(list(prompts[:1]), max_sequence_length)
+        grid_h, grid_w = height // 16, width // 16
+        latents = jax.random.normal(jax.random.key(0), (1, grid_h * grid_w, model.config.in_channels))
+        ids = np.concatenate([np.zeros((embeds.shape[1], 3), np.float32), image_position_ids(grid_h, grid_w)])
+        return np.asarray(model(latents, embeds, jnp.full((1,), 0.7), jnp.asarray(ids), mask), np.float32)
+
+    params = dict(iter_params(pipe.transformer))
+    shapes = {k: (tuple(v.shape), v.dtype) for k, v in params.items()}
+    reference_images, reference_velocity = images(pipe), velocity(pipe.transformer)
+    rows = [QualityRow("reference", weight_bytes(shapes, []), None)]
+    for fmt in formats:
+        rules = krea2_rules(fmt)
+        transformer = with_params(pipe.transformer, dequantize_model(quantize_model(params, rules), pipe.transformer.dtype))
+        quantized = Krea2Pipeline(transformer, pipe.vae, pipe.text_encoder, pipe.tokenizer, pipe.config)
+        report = evaluate(fmt, velocity(transformer), reference_velocity, images(quantized), reference_images)
+        rows.append(QualityRow(fmt, weight_bytes(shapes, rules), report))
+    return rows
+
+
+def format_table(rows: Sequence[QualityRow]) -> str:
+    """format | SSIM vs the unquantized images (= relative SSIM) | PSNR | DiT output cosine and rel. L2 | weights."""
+    lines = [f"{'format':<12}{'SSIM':>8}{'PSNR dB':>9}{'DiT cos':>10}{'DiT relL2':>11}{'weights MB':>12}  gate"]
+    for row in rows:
+        if row.report is None:
+            lines.append(f"{row.fmt:<12}{1.0:8.4f}{'inf':>9}{1.0:10.6f}{0.0:11.4f}{row.weight_bytes / 1e6:12.2f}  -")
+            continue
+        r = row.report
+        gate = "pass" if r.passed else "FAIL: " + "; ".join(r.failures)
+        lines.append(f"{row.fmt:<12}{r.ssim:8.4f}{r.psnr:9.2f}{r.cosine:10.6f}{r.relative_l2:11.4f}"
+                     f"{row.weight_bytes / 1e6:12.2f}  {gate}")
+    return "\n".join(lines)
