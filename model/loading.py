@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import jax
+import ml_dtypes
 import numpy as np
 from flax import nnx
 from safetensors import safe_open
@@ -67,6 +68,10 @@ def config_from_dict(cls: type[T], data: Mapping[str, Any], source: str) -> T:
         raise CheckpointError(f"{source}: invalid {cls.__name__}: {e}") from None
 
 
+_RAW_DTYPES = {"F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2,
+               "F8_E8M0": ml_dtypes.float8_e8m0fnu}
+
+
 class SafetensorsCheckpoint:
     """The tensors of one checkpoint, spread over one or several safetensors files, read lazily by key."""
 
@@ -98,9 +103,21 @@ class SafetensorsCheckpoint:
     def get(self, key: str) -> np.ndarray:
         file = self._where[key]
         try:
+            dtype = self._open(file).get_slice(key).get_dtype()
+            if dtype in _RAW_DTYPES:  # dtypes safetensors' numpy backend cannot build: read the bytes ourselves
+                return self._raw(file, key, _RAW_DTYPES[dtype])
             return self._open(file).get_tensor(key)
         except Exception as e:
             raise CheckpointError(f"{file}: cannot read tensor {key!r} ({e})") from None
+
+    def _raw(self, file: Path, key: str, dtype) -> np.ndarray:
+        with open(file, "rb") as f:
+            header_len = int.from_bytes(f.read(8), "little")
+            entry = json.loads(f.read(header_len))[key]
+            begin, end = entry["data_offsets"]
+            f.seek(8 + header_len + begin)
+            data = np.frombuffer(f.read(end - begin), np.uint8)
+        return data.view(dtype).reshape(entry["shape"])
 
 
 class DerivedCheckpoint:
@@ -127,12 +144,36 @@ class DerivedCheckpoint:
         return np.ascontiguousarray(fn(array)) if fn is not None else array
 
 
+_SCALE_SUFFIXES = (".weight_scale", ".scale_weight")  # ComfyUI's scaled FP8: new and old names of the scale
+_COMFY_EXTRA = (".comfy_quant", ".input_scale", ".scale_input")
+
+
+def dequantize_scaled_fp8(checkpoint: SafetensorsCheckpoint) -> SafetensorsCheckpoint | DerivedCheckpoint:
+    """ComfyUI's scaled FP8 files (`*_fp8_scaled.safetensors`) seen as plain weights: `L.weight` (FP8) times its
+    per-tensor `L.weight_scale` (or the older `L.scale_weight`), computed on read; the scale, `L.comfy_quant`
+    format records, activation scales and the `scaled_fp8` marker are consumed. Other checkpoints pass unchanged.
+    (Keeping such weights in FP8 on the device is the fast path's business, issue #9.)"""
+    keys = checkpoint.keys()
+    scales = {k[: -len(s)] + ".weight": k for k in keys for s in _SCALE_SUFFIXES if k.endswith(s)}
+    if not scales:
+        return checkpoint
+    derived, present = {}, set(keys)
+    for weight, scale_key in scales.items():
+        if weight not in present:
+            raise CheckpointError(f"{checkpoint.files[0]}: scale {scale_key!r} has no weight {weight!r}")
+        scale = float(np.asarray(checkpoint.get(scale_key), np.float32).reshape(-1)[0])
+        derived[weight] = (weight, lambda a, s=scale: a.astype(np.float32) * np.float32(s), checkpoint.shape(weight))
+    consumed = set(scales.values()) | {"scaled_fp8"}
+    passthrough = [k for k in keys if k not in derived and k not in consumed and not k.endswith(_COMFY_EXTRA)]
+    return DerivedCheckpoint(checkpoint, derived, passthrough)
+
+
 def open_checkpoint(path: Path, weights_name: str) -> SafetensorsCheckpoint:
     """Open `path`: a single `.safetensors` file, or a folder holding `{weights_name}.safetensors` or the shards named
     by `{weights_name}.safetensors.index.json`."""
     path = Path(path)
     if path.is_file():
-        return SafetensorsCheckpoint([path])
+        return dequantize_scaled_fp8(SafetensorsCheckpoint([path]))
     if not path.is_dir():
         raise CheckpointError(f"{path}: no such file or folder")
     single = path / f"{weights_name}.safetensors"
