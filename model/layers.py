@@ -33,9 +33,16 @@ class Linear(nnx.Module):
             jax.random.normal(rngs.params(), (out_features, in_features), dtype) * in_features**-0.5
         )
         self.bias = nnx.Param(jnp.zeros((out_features,), dtype)) if bias else None
+        # A quant format name: the input is quantized and dequantized per token (or block) before the product, which
+        # simulates weight+activation quantization (see model/quality.py). None: the input is used as it is.
+        self.activation_format = None
 
     def __call__(self, x: jax.Array) -> jax.Array:
         """x: (..., in_features) -> (..., out_features)."""
+        if self.activation_format is not None:
+            from mxdit.quant.formats import quantize  # formats by name: the one way model/ reaches quant/
+
+            x = quantize(x, self.activation_format, axis=-1).dequantize(x.dtype)
         y = jax.lax.dot_general(x, self.weight[...], (((x.ndim - 1,), (1,)), ((), ())))
         if self.bias is not None:
             y = y + self.bias[...]

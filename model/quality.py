@@ -13,9 +13,10 @@ import numpy as np
 from flax import nnx
 
 from mxdit.quant.gates import GateReport, evaluate
-from mxdit.quant.model import dequantize_model, krea2_rules, quantize_model, weight_bytes
+from mxdit.quant.model import dequantize_model, format_for, krea2_rules, quantize_model, weight_bytes
 
 from .images import unit_range_to_uint8
+from .layers import Linear
 from .loading import iter_params, module_key
 from .pipeline_common import image_position_ids
 from .pipeline_krea2 import Krea2Pipeline
@@ -32,6 +33,15 @@ def with_params(module: nnx.Module, params: dict[str, jax.Array]) -> nnx.Module:
     return nnx.merge(graphdef, nnx.from_flat_state(flat))
 
 
+def quantize_activations(module: nnx.Module, rules) -> nnx.Module:
+    """A copy of `module` whose Linear layers selected by `rules` (by their weight's key) quantize their inputs."""
+    module = nnx.clone(module)
+    for path, node in nnx.iter_graph(module):
+        if isinstance(node, Linear):
+            node.activation_format = format_for(module_key(path) + ".weight", tuple(node.weight.shape), rules)
+    return module
+
+
 @dataclasses.dataclass(frozen=True)
 class QualityRow:
     fmt: str
@@ -40,9 +50,11 @@ class QualityRow:
 
 
 def krea2_quality(pipe: Krea2Pipeline, formats: Sequence[str], prompts: Sequence[str], seeds: Sequence[int], *,
-                  height: int, width: int, steps: int | None = None, max_sequence_length: int = 512) -> list[QualityRow]:
+                  height: int, width: int, steps: int | None = None, max_sequence_length: int = 512,
+                  activations: bool = False) -> list[QualityRow]:
     """The seed-000-style table for a Krea 2 pipeline: per format, SSIM and PSNR of the decoded images against the
-    unquantized ones (all prompts x seeds side by side), cosine etc. of the transformer's first-step output."""
+    unquantized ones (all prompts x seeds side by side), cosine etc. of the transformer's output on fixed inputs.
+    Weights only, or with `activations` also the inputs of the quantized layers (rows named `fmt W+A`)."""
     kwargs = dict(height=height, width=width, num_inference_steps=steps, max_sequence_length=max_sequence_length,
                   output_type="np")
 
@@ -63,21 +75,23 @@ def krea2_quality(pipe: Krea2Pipeline, formats: Sequence[str], prompts: Sequence
     for fmt in formats:
         rules = krea2_rules(fmt)
         transformer = with_params(pipe.transformer, dequantize_model(quantize_model(params, rules), pipe.transformer.dtype))
-        quantized = Krea2Pipeline(transformer, pipe.vae, pipe.text_encoder, pipe.tokenizer, pipe.config)
-        report = evaluate(fmt, velocity(transformer), reference_velocity, images(quantized), reference_images)
-        rows.append(QualityRow(fmt, weight_bytes(shapes, rules), report))
+        variants = [(fmt, transformer)] + ([(f"{fmt} W+A", quantize_activations(transformer, rules))] if activations else [])
+        for name, model in variants:
+            quantized = Krea2Pipeline(model, pipe.vae, pipe.text_encoder, pipe.tokenizer, pipe.config)
+            report = evaluate(fmt, velocity(model), reference_velocity, images(quantized), reference_images)
+            rows.append(QualityRow(name, weight_bytes(shapes, rules), report))
     return rows
 
 
 def format_table(rows: Sequence[QualityRow]) -> str:
     """format | SSIM vs the unquantized images (= relative SSIM) | PSNR | DiT output cosine and rel. L2 | weights."""
-    lines = [f"{'format':<12}{'SSIM':>8}{'PSNR dB':>9}{'DiT cos':>10}{'DiT relL2':>11}{'weights MB':>12}  gate"]
+    lines = [f"{'format':<16}{'SSIM':>8}{'PSNR dB':>9}{'DiT cos':>10}{'DiT relL2':>11}{'weights MB':>12}  gate"]
     for row in rows:
         if row.report is None:
-            lines.append(f"{row.fmt:<12}{1.0:8.4f}{'inf':>9}{1.0:10.6f}{0.0:11.4f}{row.weight_bytes / 1e6:12.2f}  -")
+            lines.append(f"{row.fmt:<16}{1.0:8.4f}{'inf':>9}{1.0:10.6f}{0.0:11.4f}{row.weight_bytes / 1e6:12.2f}  -")
             continue
         r = row.report
         gate = "pass" if r.passed else "FAIL: " + "; ".join(r.failures)
-        lines.append(f"{row.fmt:<12}{r.ssim:8.4f}{r.psnr:9.2f}{r.cosine:10.6f}{r.relative_l2:11.4f}"
+        lines.append(f"{row.fmt:<16}{r.ssim:8.4f}{r.psnr:9.2f}{r.cosine:10.6f}{r.relative_l2:11.4f}"
                      f"{row.weight_bytes / 1e6:12.2f}  {gate}")
     return "\n".join(lines)

@@ -43,7 +43,8 @@ def flux_rules(fmt: str) -> list[tuple[str, str | None]]:
     ]
 
 
-def _format_for(key: str, shape: tuple[int, ...], rules: Rules) -> str | None:
+def format_for(key: str, shape: tuple[int, ...], rules: Rules) -> str | None:
+    """The format `rules` give the parameter `key` (None: kept as it is)."""
     for pattern, fmt in rules:
         if re.search(pattern, key):
             return fmt if len(shape) == 2 else None  # only matrices are quantized (norm gains are vectors)
@@ -58,7 +59,7 @@ def quantize_model(params: Mapping[str, jax.Array], rules: Rules) -> dict[str, j
     quantize_jit = jax.jit(quantize, static_argnames=("fmt", "axis", "per_tensor"))
     out = {}
     for key, value in params.items():
-        fmt = _format_for(key, tuple(value.shape), rules)
+        fmt = format_for(key, tuple(value.shape), rules)
         out[key] = quantize_jit(value, fmt=fmt) if fmt else value
     return out
 
@@ -73,7 +74,7 @@ def weight_bytes(shapes: Mapping[str, tuple[tuple[int, ...], jnp.dtype]], rules:
     alone (`jax.eval_shape`), so it works for full-size models without their weights."""
     total = 0
     for key, (shape, dtype) in shapes.items():
-        fmt = _format_for(key, tuple(shape), rules)
+        fmt = format_for(key, tuple(shape), rules)
         total += _quantized_nbytes(tuple(shape), fmt) if fmt else int(np.prod(shape)) * jnp.dtype(dtype).itemsize
     return total
 

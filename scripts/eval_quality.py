@@ -28,6 +28,7 @@ def main(argv=None) -> int:
     parser.add_argument("--size", type=int, default=None, help="image side (default 1024; demo 64)")
     parser.add_argument("--steps", type=int, default=None)
     parser.add_argument("--max-sequence-length", type=int, default=None)
+    parser.add_argument("--activations", action="store_true", help="also rows with the layers' inputs quantized (W+A)")
     args = parser.parse_args(argv)
 
     import jax.numpy as jnp
@@ -50,7 +51,8 @@ def main(argv=None) -> int:
         return 2
     rows = krea2_quality(pipe, args.formats, args.prompt or ["a red fox in the snow, photo"], args.seeds,
                          height=size, width=size, steps=args.steps or (2 if args.demo else None),
-                         max_sequence_length=args.max_sequence_length or (64 if args.demo else 512))
+                         max_sequence_length=args.max_sequence_length or (64 if args.demo else 512),
+                         activations=args.activations)
     print(format_table(rows))
     return 0
 

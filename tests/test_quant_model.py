@@ -117,10 +117,11 @@ def test_quality_table_on_the_demo_model(tmp_path):
 
     pipe = demo_pipeline(tmp_path / "tokenizer", dtype=jnp.float32)
     rows = krea2_quality(pipe, ["fp8_e4m3", "mxfp4_e2m1"], ["a red fox"], [0], height=32, width=32, steps=1,
-                         max_sequence_length=16)
-    assert [r.fmt for r in rows] == ["reference", "fp8_e4m3", "mxfp4_e2m1"]
-    fp8, fp4 = rows[1].report, rows[2].report
+                         max_sequence_length=16, activations=True)
+    assert [r.fmt for r in rows] == ["reference", "fp8_e4m3", "fp8_e4m3 W+A", "mxfp4_e2m1", "mxfp4_e2m1 W+A"]
+    fp8, fp8_wa, fp4, fp4_wa = (r.report for r in rows[1:])
     assert 0.99 < fp4.cosine < fp8.cosine < 1.0 and fp8.nonfinite == 0
+    assert fp8_wa.cosine < fp8.cosine and fp4_wa.cosine < fp4.cosine  # quantizing inputs too costs more
     assert 0 < fp4.ssim <= 1 and fp4.psnr > 0
-    assert rows[2].weight_bytes < rows[1].weight_bytes < rows[0].weight_bytes
-    assert "mxfp4_e2m1" in format_table(rows)
+    assert rows[3].weight_bytes < rows[1].weight_bytes < rows[0].weight_bytes
+    assert "mxfp4_e2m1 W+A" in format_table(rows)
