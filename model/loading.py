@@ -144,15 +144,49 @@ class DerivedCheckpoint:
         return np.ascontiguousarray(fn(array)) if fn is not None else array
 
 
-_SCALE_SUFFIXES = (".weight_scale", ".scale_weight")  # ComfyUI's scaled FP8: new and old names of the scale
+_SCALE_SUFFIXES = (".weight_scale", ".scale_weight")  # ComfyUI's quantized layers: new and old scale names
 _COMFY_EXTRA = (".comfy_quant", ".input_scale", ".scale_input")
 
 
-def dequantize_scaled_fp8(checkpoint: SafetensorsCheckpoint) -> SafetensorsCheckpoint | DerivedCheckpoint:
-    """ComfyUI's scaled FP8 files (`*_fp8_scaled.safetensors`) seen as plain weights: `L.weight` (FP8) times its
-    per-tensor `L.weight_scale` (or the older `L.scale_weight`), computed on read; the scale, `L.comfy_quant`
-    format records, activation scales and the `scaled_fp8` marker are consumed. Other checkpoints pass unchanged.
-    (Keeping such weights in FP8 on the device is the fast path's business, issue #9.)"""
+def unswizzle_e8m0(blocked: np.ndarray, rows: int, cols: int) -> np.ndarray:
+    """ComfyUI's (comfy-kitchen's `from_blocked`) inverse of cuBLAS's block-scale layout: the stored
+    (roundup(rows, 128), roundup(cols, 4)) matrix holds each 128x4 tile as 512 contiguous bytes, scale (r, c) of a
+    tile at offset (r % 32) * 16 + (r // 32) * 4 + c. Returns the plain (rows, cols) scales."""
+    padded_rows, padded_cols = blocked.shape
+    x = blocked.reshape(-1, 32, 4, 4).transpose(0, 2, 1, 3)
+    x = x.reshape(padded_rows // 128, padded_cols // 4, 128, 4).transpose(0, 2, 1, 3)
+    return x.reshape(padded_rows, padded_cols)[:rows, :cols]
+
+
+def _comfy_format(checkpoint, layer: str, scale_key: str) -> str:
+    record = layer + ".comfy_quant"
+    if record in set(checkpoint.keys()):
+        return json.loads(bytes(np.asarray(checkpoint.get(record), np.uint8)).decode())["format"]
+    return "float8_e4m3fn"  # the older naming (scale_weight, scaled_fp8 marker) knew only per-tensor FP8
+
+
+def _dequantizer(checkpoint, weight: str, scale_key: str, fmt: str):
+    if fmt in ("float8_e4m3fn", "float8_e5m2"):
+        scale = np.float32(np.asarray(checkpoint.get(scale_key), np.float32).reshape(-1)[0])
+        return lambda a: a.astype(np.float32) * scale
+    if fmt == "mxfp8":
+        def dequantize(a):
+            rows, cols = a.shape
+            bits = unswizzle_e8m0(np.asarray(checkpoint.get(scale_key)).view(np.uint8), rows, cols // 32)
+            # comfy-kitchen's E8M0 decoding: 2^(e - 127), with e = 0 meaning a zero scale
+            scale = np.where(bits == 0, 0.0, np.ldexp(np.float32(1.0), bits.astype(np.int32) - 127)).astype(np.float32)
+            return (a.astype(np.float32).reshape(rows, cols // 32, 32) * scale[..., None]).reshape(rows, cols)
+        return dequantize
+    raise CheckpointError(f"{checkpoint.files[0]}: {weight} is quantized as {fmt!r}, which mxdit cannot read yet")
+
+
+def dequantize_comfy(checkpoint: SafetensorsCheckpoint) -> SafetensorsCheckpoint | DerivedCheckpoint:
+    """ComfyUI's quantized files seen as plain weights, dequantized on read: scaled FP8 (`L.weight` FP8 times the
+    per-tensor `L.weight_scale`, or the older `L.scale_weight` with the `scaled_fp8` marker) and MXFP8 (`L.weight`
+    E4M3 with E8M0 block scales in cuBLAS's swizzled layout, `L.comfy_quant` = {"format": "mxfp8"}). Scales, format
+    records, activation scales and the marker are consumed; other checkpoints pass unchanged. MXFP8 tensors whose
+    dimensions ComfyUI padded to multiples of 32 keep the padded shape (Krea 2's and FLUX's are all multiples).
+    (Keeping such weights quantized on the device is the fast path's business, issue #9.)"""
     keys = checkpoint.keys()
     scales = {k[: -len(s)] + ".weight": k for k in keys for s in _SCALE_SUFFIXES if k.endswith(s)}
     if not scales:
@@ -161,8 +195,8 @@ def dequantize_scaled_fp8(checkpoint: SafetensorsCheckpoint) -> SafetensorsCheck
     for weight, scale_key in scales.items():
         if weight not in present:
             raise CheckpointError(f"{checkpoint.files[0]}: scale {scale_key!r} has no weight {weight!r}")
-        scale = float(np.asarray(checkpoint.get(scale_key), np.float32).reshape(-1)[0])
-        derived[weight] = (weight, lambda a, s=scale: a.astype(np.float32) * np.float32(s), checkpoint.shape(weight))
+        fmt = _comfy_format(checkpoint, weight[: -len(".weight")], scale_key)
+        derived[weight] = (weight, _dequantizer(checkpoint, weight, scale_key, fmt), checkpoint.shape(weight))
     consumed = set(scales.values()) | {"scaled_fp8"}
     passthrough = [k for k in keys if k not in derived and k not in consumed and not k.endswith(_COMFY_EXTRA)]
     return DerivedCheckpoint(checkpoint, derived, passthrough)
@@ -173,7 +207,7 @@ def open_checkpoint(path: Path, weights_name: str) -> SafetensorsCheckpoint:
     by `{weights_name}.safetensors.index.json`."""
     path = Path(path)
     if path.is_file():
-        return dequantize_scaled_fp8(SafetensorsCheckpoint([path]))
+        return dequantize_comfy(SafetensorsCheckpoint([path]))
     if not path.is_dir():
         raise CheckpointError(f"{path}: no such file or folder")
     single = path / f"{weights_name}.safetensors"

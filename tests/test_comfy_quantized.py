@@ -1,6 +1,6 @@
-"""ComfyUI's pre-quantized files (`*_fp8_scaled.safetensors`: FP8 weights with per-tensor scales) load as the
-weights they stand for, in both the older (`scale_weight`, `scaled_fp8` marker) and newer (`weight_scale`,
-`comfy_quant`) naming, tested on tiny files written in those layouts."""
+"""ComfyUI's pre-quantized files load as the weights they stand for: scaled FP8 (`*_fp8_scaled.safetensors`, per-tensor
+scales, older `scale_weight` + `scaled_fp8` marker and newer `weight_scale` + `comfy_quant` naming) and MXFP8 (E8M0
+block scales in cuBLAS's swizzled layout, as comfy-kitchen writes them), tested on tiny files in those layouts."""
 
 import json
 
@@ -12,7 +12,7 @@ from safetensors.numpy import load_file
 
 from conftest import FIXTURES, relative_l2
 from mxdit.model.krea2 import Krea2Transformer, original_key_to_diffusers
-from mxdit.model.loading import iter_params, save_safetensors
+from mxdit.model.loading import CheckpointError, iter_params, save_safetensors
 
 TINY = FIXTURES / "krea2"
 MATRICES = (".attn.wq.", ".attn.wk.", ".attn.wv.", ".attn.wo.", ".attn.gate.", ".mlp.gate.", ".mlp.up.", ".mlp.down.")
@@ -56,3 +56,66 @@ def test_scaled_fp8_file_loads_as_dequantized_weights(tmp_path, style):
     out = model(r["hidden_states"], r["encoder_hidden_states"], r["timestep"], r["position_ids"],
                 r["encoder_attention_mask"])
     assert relative_l2(out, r["output_masked"]) < 0.1
+
+
+def to_blocked(scales: np.ndarray) -> np.ndarray:
+    """comfy-kitchen's `to_blocked` (forward swizzle), written out for the test file."""
+    rows, cols = scales.shape
+    pr, pc = -(-rows // 128) * 128, -(-cols // 4) * 4
+    padded = np.zeros((pr, pc), scales.dtype)
+    padded[:rows, :cols] = scales
+    blocks = padded.reshape(pr // 128, 128, pc // 4, 4).transpose(0, 2, 1, 3)
+    return blocks.reshape(-1, 4, 32, 4).transpose(0, 2, 1, 3).reshape(-1, 32, 16).reshape(pr, pc)
+
+
+def test_scale_unswizzle_inverts_the_swizzle_and_matches_the_offset_rule():
+    from mxdit.model.loading import unswizzle_e8m0
+
+    scales = np.random.default_rng(0).integers(1, 255, (200, 9)).astype(np.uint8)
+    blocked = to_blocked(scales)
+    assert blocked.shape == (256, 12)
+    np.testing.assert_array_equal(unswizzle_e8m0(blocked, 200, 9), scales)
+    # the flat offset rule of comfy-kitchen's Triton kernel
+    flat, col_blocks = blocked.reshape(-1), 12 // 4
+    for r, c in [(0, 0), (5, 3), (37, 2), (127, 8), (130, 6), (199, 8)]:
+        offset = ((r // 128) * col_blocks + c // 4) * 512 + (r % 32) * 16 + (r % 128 // 32) * 4 + c % 4
+        assert flat[offset] == scales[r, c]
+
+
+def test_mxfp8_file_loads_as_dequantized_weights(tmp_path):
+    tensors = load_file(str(TINY / "tiny_original.safetensors"))
+    expected = {}
+    for key in list(tensors):
+        w = tensors[key]
+        if not (key.startswith("model.diffusion_model.blocks.") and key.endswith(".weight") and w.ndim == 2
+                and w.shape[0] % 32 == 0 and w.shape[1] % 32 == 0):
+            continue
+        blocks = w.reshape(w.shape[0], -1, 32)
+        amax = np.abs(blocks).max(-1)
+        exp = np.clip(np.ceil(np.log2(amax / 448)).astype(np.int32) + 127, 0, 254)  # comfy-kitchen rounds amax up
+        scale = np.ldexp(1.0, exp - 127).astype(np.float32)
+        data = (blocks / scale[..., None]).reshape(w.shape).astype(ml_dtypes.float8_e4m3fn)
+        layer = key[: -len(".weight")]
+        tensors[key] = data
+        tensors[layer + ".weight_scale"] = to_blocked(exp.astype(np.uint8))
+        tensors[layer + ".comfy_quant"] = np.frombuffer(json.dumps({"format": "mxfp8"}).encode(), np.uint8)
+        expected[original_key_to_diffusers(key)] = (data.astype(np.float32).reshape(blocks.shape)
+                                                    * scale[..., None]).reshape(w.shape)
+    file = tmp_path / "krea2_mxfp8.safetensors"
+    save_safetensors(tensors, file)
+    model = Krea2Transformer.from_pretrained(file, jnp.float32, config=TINY / "tiny" / "config.json")
+    params = dict(iter_params(model))
+    assert len(expected) == 10  # q, k, v, gate, out of 2 blocks (the 48-wide SwiGLU is not a multiple of 32)
+    for key, value in expected.items():
+        np.testing.assert_array_equal(np.asarray(params[key]), value, err_msg=key)
+
+
+def test_unknown_comfy_format_is_named(tmp_path):
+    tensors = load_file(str(TINY / "tiny_original.safetensors"))
+    key = "model.diffusion_model.blocks.0.attn.wq"
+    tensors[key + ".weight_scale"] = np.ones(1, np.float32)
+    tensors[key + ".comfy_quant"] = np.frombuffer(json.dumps({"format": "nvfp4"}).encode(), np.uint8)
+    file = tmp_path / "x.safetensors"
+    save_safetensors(tensors, file)
+    with pytest.raises(CheckpointError, match="quantized as 'nvfp4', which mxdit cannot read yet"):
+        Krea2Transformer.from_pretrained(file, config=TINY / "tiny" / "config.json")
