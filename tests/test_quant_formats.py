@@ -205,3 +205,20 @@ def test_quantizing_along_another_axis():
 def test_unknown_format_is_named():
     with pytest.raises(ValueError, match="unknown format 'mxfp5'"):
         quantize(np.ones(4), "mxfp5")
+
+
+def test_quantized_arrays_save_and_restore_through_orbax_and_take_a_sharding(tmp_path):
+    import orbax.checkpoint as ocp
+
+    x = jnp.asarray(np.random.default_rng(5).standard_normal((64, 96)), jnp.float32)
+    tree = {fmt: quantize(x, fmt) for fmt in ("mxfp4_e2m1", "mxfp6_e2m3", "mxfp8_e4m3", "fp8_e4m3", "nvfp4", "int8")}
+    checkpointer = ocp.StandardCheckpointer()
+    checkpointer.save(tmp_path / "q", tree)
+    checkpointer.wait_until_finished()
+    restored = checkpointer.restore(tmp_path / "q", jax.tree.map(ocp.utils.to_shape_dtype_struct, tree))
+    for fmt, qa in tree.items():
+        assert isinstance(restored[fmt], QuantizedArray) and restored[fmt].fmt == fmt
+        np.testing.assert_array_equal(restored[fmt].dequantize(), qa.dequantize())
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("x",))
+    placed = jax.device_put(tree["mxfp4_e2m1"], jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
+    assert isinstance(placed, QuantizedArray) and placed.data.sharding.mesh == mesh
