@@ -84,14 +84,17 @@ def krea2_quality(pipe: Krea2Pipeline, formats: Sequence[str], prompts: Sequence
 
 
 def format_table(rows: Sequence[QualityRow]) -> str:
-    """format | SSIM vs the unquantized images (= relative SSIM) | PSNR | DiT output cosine and rel. L2 | weights."""
-    lines = [f"{'format':<16}{'SSIM':>8}{'PSNR dB':>9}{'DiT cos':>10}{'DiT relL2':>11}{'weights MB':>12}  gate"]
+    """format | SSIM vs the unquantized images | relative SSIM | PSNR | DiT output cosine and rel. L2 | weights | gate.
+    The reference is the unquantized model itself, so relative SSIM (the seed's "relative quality") is SSIM / 1."""
+    lines = [f"{'format':<16}{'SSIM':>8}{'rel SSIM':>10}{'PSNR dB':>9}{'DiT cos':>10}{'DiT relL2':>11}{'weights MB':>12}"
+             "  gate"]
     for row in rows:
         if row.report is None:
-            lines.append(f"{row.fmt:<16}{1.0:8.4f}{'inf':>9}{1.0:10.6f}{0.0:11.4f}{row.weight_bytes / 1e6:12.2f}  -")
+            lines.append(f"{row.fmt:<16}{1.0:8.4f}{'100.0%':>10}{'inf':>9}{1.0:10.6f}{0.0:11.4f}"
+                         f"{row.weight_bytes / 1e6:12.2f}  -")
             continue
         r = row.report
         gate = "pass" if r.passed else "FAIL: " + "; ".join(r.failures)
-        lines.append(f"{row.fmt:<16}{r.ssim:8.4f}{r.psnr:9.2f}{r.cosine:10.6f}{r.relative_l2:11.4f}"
+        lines.append(f"{row.fmt:<16}{r.ssim:8.4f}{100 * r.ssim:9.1f}%{r.psnr:9.2f}{r.cosine:10.6f}{r.relative_l2:11.4f}"
                      f"{row.weight_bytes / 1e6:12.2f}  {gate}")
     return "\n".join(lines)
