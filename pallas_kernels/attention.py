@@ -1,7 +1,9 @@
-"""INT8-QK attention (SageAttention-style) for DiTs: the plain-jnp reference that defines its numerics.
+"""INT8-QK attention (SageAttention-style) for DiTs: the plain-jnp reference that defines its numerics, and the
+portable Pallas kernel (Triton lowering) that computes it.
 
-The Pallas kernels (Mosaic GPU / Triton lowering, issue #8) must agree with `int8_attention_reference`; it is also
-what CPU tests measure against exact attention. The recipe (`../shared/reference/formats_and_kernels.md`):
+The kernels must agree with `int8_attention_reference`, which CPU tests also measure against exact attention. Still
+to come (issue #8): the Mosaic GPU kernel, FP8 P.V in the kernel, the fused RMSNorm+RoPE+quantize prologue, and GPU
+timings. The recipe (`../shared/reference/formats_and_kernels.md`):
 
 - K smoothing: the mean of K over the key sequence (per head and channel) is subtracted. Softmax is invariant to a
   per-row constant, so the output is unchanged, while the channel outliers real DiTs have in K stop dominating the
@@ -32,6 +34,22 @@ def _quantize_int8_blocks(x: jax.Array, block: int) -> tuple[jax.Array, jax.Arra
     return q.reshape(b, s + pad, h, d)[:, :s], scale
 
 
+def _prologue(q, k, v, kv_lengths, block_q, block_k, scale, smooth_k=True):
+    """Masked keys and values zeroed (they must not enter any scale: a block's amax, V's channel range), K smoothed
+    over the valid keys, Q (times the softmax scale) and K quantized to INT8 per block. (A fused RMSNorm + RoPE +
+    quantize pass is still to come.) Returns qi, qs, ki, ks, v (float32) and the (batch, kv_len) validity."""
+    b, sk = k.shape[0], k.shape[1]
+    valid = jnp.ones((b, sk), bool) if kv_lengths is None else jnp.arange(sk)[None, :] < kv_lengths[:, None]
+    keep = valid[:, :, None, None]
+    k32, v32 = jnp.where(keep, k.astype(jnp.float32), 0.0), jnp.where(keep, v.astype(jnp.float32), 0.0)
+    if smooth_k:
+        count = jnp.maximum(valid.sum(axis=1), 1)[:, None, None, None]
+        k32 = jnp.where(keep, k32 - jnp.sum(k32, axis=1, keepdims=True) / count, 0.0)
+    qi, qs = _quantize_int8_blocks(q.astype(jnp.float32) * scale, block_q)
+    ki, ks = _quantize_int8_blocks(k32, block_k)
+    return qi, qs, ki, ks, v32, valid
+
+
 def int8_attention_reference(q: jax.Array, k: jax.Array, v: jax.Array, *, kv_lengths: jax.Array | None = None,
                              pv: str = "bf16", block_q: int = 128, block_k: int = 64, smooth_k: bool = True,
                              scale: float | None = None) -> jax.Array:
@@ -52,16 +70,7 @@ def int8_attention_reference(q: jax.Array, k: jax.Array, v: jax.Array, *, kv_len
         raise ValueError(f"query heads {h} must be a multiple of key/value heads {hk}")
     group = h // hk
     scale = d**-0.5 if scale is None else scale
-    q32, k32, v32 = (x.astype(jnp.float32) for x in (q, k, v))
-    valid = jnp.ones((b, sk), bool) if kv_lengths is None else jnp.arange(sk)[None, :] < kv_lengths[:, None]
-    # Masked keys and values must not enter any scale (a block's amax, V's channel range): zero them.
-    keep = valid[:, :, None, None]
-    k32, v32 = jnp.where(keep, k32, 0.0), jnp.where(keep, v32, 0.0)
-    if smooth_k:
-        count = jnp.maximum(valid.sum(axis=1), 1)[:, None, None, None]
-        k32 = jnp.where(keep, k32 - jnp.sum(k32, axis=1, keepdims=True) / count, 0.0)
-    qi, qs = _quantize_int8_blocks(q32 * scale, block_q)
-    ki, ks = _quantize_int8_blocks(k32, block_k)
+    qi, qs, ki, ks, v32, valid = _prologue(q, k, v, kv_lengths, block_q, block_k, scale, smooth_k)
     # (batch, heads, q_len, kv_len) int32 products, GQA by grouping query heads per KV head
     qi_g = qi.reshape(b, sq, hk, group, d)
     s_int = jnp.einsum("bqhgd,bkhd->bhgqk", qi_g, ki, preferred_element_type=jnp.int32)
@@ -81,3 +90,82 @@ def int8_attention_reference(q: jax.Array, k: jax.Array, v: jax.Array, *, kv_len
         acc = jnp.einsum("bhgqk,bkhd->bqhgd", p8, v8, preferred_element_type=jnp.float32)
         out = acc / 448.0 * v_scale[:, :, :, None, :]
     return out.reshape(b, sq, h, d)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# The portable kernel: Pallas with the Triton lowering (INT8 dots with INT32 accumulation), bf16 P.V
+
+
+def int8_attention(q, k, v, *, kv_lengths=None, block_q: int = 64, block_k: int = 64, scale: float | None = None,
+                   interpret: bool = False, num_warps: int = 4, num_stages: int = 2) -> jax.Array:
+    """INT8-QK attention, bf16 P.V, through Pallas' Triton lowering; same arguments and result as
+    `int8_attention_reference(..., pv="bf16")` (online softmax instead of a full one: equal up to rounding).
+
+    The grid is (batch * heads, query blocks); each program walks the key blocks up to its batch element's length.
+    GQA reads KV head n // group through the index maps, so K/V are never repeated in memory."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import triton as pltriton
+
+    b, sq, h, d = q.shape
+    sk, hk = k.shape[1], k.shape[2]
+    if h % hk:
+        raise ValueError(f"query heads {h} must be a multiple of key/value heads {hk}")
+    group = h // hk
+    scale = d**-0.5 if scale is None else scale
+    qi, qs, ki, ks, v32, _ = _prologue(q, k, v, kv_lengths, block_q, block_k, scale)
+    vb = v32.astype(jnp.bfloat16)
+    lengths = jnp.full((b,), sk, jnp.int32) if kv_lengths is None else kv_lengths.astype(jnp.int32)
+    pad_q, pad_k = (-sq) % block_q, (-sk) % block_k
+    # (batch, heads, seq, dim) layouts padded to whole blocks; scales (batch, heads, blocks)
+    qi = jnp.pad(qi, ((0, 0), (0, pad_q), (0, 0), (0, 0))).transpose(0, 2, 1, 3)
+    ki = jnp.pad(ki, ((0, 0), (0, pad_k), (0, 0), (0, 0))).transpose(0, 2, 1, 3)
+    vb = jnp.pad(vb, ((0, 0), (0, pad_k), (0, 0), (0, 0))).transpose(0, 2, 1, 3)
+    qs, ks = qs.transpose(0, 2, 1), ks.transpose(0, 2, 1)
+    n_q, n_k = qi.shape[2] // block_q, ki.shape[2] // block_k
+
+    def kernel(lengths_ref, q_ref, qs_ref, k_ref, ks_ref, v_ref, o_ref):
+        bh, iq = pl.program_id(0), pl.program_id(1)
+        length = lengths_ref[bh // h]
+        q_blk = q_ref[0, 0]  # (block_q, d) int8
+        q_scale = qs_ref[0, 0, iq]
+
+        def body(j, carry):
+            m, l, acc = carry
+            start = pl.multiple_of(j * block_k, block_k)
+            k_blk = k_ref[0, 0, pl.ds(start, block_k), :]
+            s = jnp.dot(q_blk, k_blk.T, preferred_element_type=jnp.int32).astype(jnp.float32)
+            s = s * (q_scale * ks_ref[0, 0, j])
+            cols = start + jax.lax.broadcasted_iota(jnp.int32, (block_q, block_k), 1)
+            s = jnp.where(cols < length, s, -jnp.inf)
+            m_new = jnp.maximum(m, jnp.max(s, axis=1))
+            alpha = jnp.exp(m - m_new)
+            p = jnp.exp(s - m_new[:, None])
+            l_new = l * alpha + jnp.sum(p, axis=1)
+            v_blk = v_ref[0, 0, pl.ds(start, block_k), :]
+            acc = acc * alpha[:, None] + jnp.dot(p.astype(jnp.bfloat16), v_blk, preferred_element_type=jnp.float32)
+            return m_new, l_new, acc
+
+        init = (jnp.full((block_q,), -jnp.inf, jnp.float32), jnp.zeros((block_q,), jnp.float32),
+                jnp.zeros((block_q, d), jnp.float32))
+        n_blocks = (length + block_k - 1) // block_k
+        _, l, acc = jax.lax.fori_loop(0, n_blocks, body, init)
+        o_ref[0, 0] = (acc / l[:, None]).astype(o_ref.dtype)
+
+    kv_head = lambda bh: (bh // h, (bh % h) // group)
+    out = pl.pallas_call(
+        kernel,
+        grid=(b * h, n_q),
+        in_specs=[
+            pl.no_block_spec,  # the (batch,) key lengths, whole
+            pl.BlockSpec((1, 1, block_q, d), lambda bh, iq: (bh // h, bh % h, iq, 0)),
+            pl.BlockSpec((1, 1, n_q), lambda bh, iq: (bh // h, bh % h, 0)),
+            pl.BlockSpec((1, 1, ki.shape[2], d), lambda bh, iq: (*kv_head(bh), 0, 0)),
+            pl.BlockSpec((1, 1, n_k), lambda bh, iq: (*kv_head(bh), 0)),
+            pl.BlockSpec((1, 1, vb.shape[2], d), lambda bh, iq: (*kv_head(bh), 0, 0)),
+        ],
+        out_specs=pl.BlockSpec((1, 1, block_q, d), lambda bh, iq: (bh // h, bh % h, iq, 0)),
+        out_shape=jax.ShapeDtypeStruct((b, h, n_q * block_q, d), jnp.float32),
+        compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        interpret=interpret,
+    )(lengths, qi, qs, ki, ks, vb)
+    return out[:, :, :sq].transpose(0, 2, 1, 3)

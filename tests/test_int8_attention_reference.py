@@ -77,3 +77,23 @@ def test_bad_arguments_are_named():
         int8_attention_reference(q, k, v)
     with pytest.raises(ValueError, match="pv must be"):
         int8_attention_reference(*inputs(4), pv="int4")
+
+
+# -- the Pallas kernel (Triton lowering) in interpret mode ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("d, h, hk, sq, sk, lengths", [
+    (64, 4, 2, 100, 130, [130, 70]),   # GQA 2:1, lengths not multiples of the blocks, a padded batch element
+    (128, 2, 2, 64, 64, None),          # head_dim 128, no mask
+])
+def test_pallas_kernel_matches_the_reference_in_interpret_mode(d, h, hk, sq, sk, lengths):
+    from mxdit.pallas_kernels.attention import int8_attention
+
+    q, k, v = inputs(5, sq=sq, sk=sk, h=h, hk=hk, d=d, k_outlier=20.0)
+    kv = None if lengths is None else jnp.asarray(lengths)
+    out = int8_attention(q, k, v, kv_lengths=kv, interpret=True)
+    ref = int8_attention_reference(q, k, v, kv_lengths=kv, block_q=64, block_k=64)
+    assert out.shape == q.shape
+    # online softmax with bf16 P of the running (unnormalised) exponentials vs the reference's normalised P
+    assert relative_l1(out, ref) <= 5e-3
+    assert cosine(out, exact(q, k, v, kv)) >= 0.999 and relative_l1(out, exact(q, k, v, kv)) <= BOUNDS["bf16"]
