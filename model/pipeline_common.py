@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
+from pathlib import Path
 
 import jax
 import numpy as np
+
+from .loading import CheckpointError
 
 
 @dataclasses.dataclass
@@ -34,3 +38,15 @@ def image_position_ids(grid_h: int, grid_w: int) -> np.ndarray:
     """(grid_h * grid_w, 3) rotary coordinates of packed image tokens: (0, row, column), float32."""
     rows, cols = np.meshgrid(np.arange(grid_h), np.arange(grid_w), indexing="ij")
     return np.stack([np.zeros_like(rows), rows, cols], axis=-1).reshape(-1, 3).astype(np.float32)
+
+
+def check_components(folder: str | Path, components: Sequence[str], family: str) -> Path:
+    """`folder` as a Path, after checking it is a folder holding every component subfolder (errors name them)."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise CheckpointError(f"{folder}: no such folder")
+    missing = [c for c in components if not (folder / c).is_dir()]
+    if missing:
+        raise CheckpointError(f"{folder}: missing component folder(s) {', '.join(m + '/' for m in missing)} "
+                              f"(a {family} folder has {', '.join(c + '/' for c in components)})")
+    return folder

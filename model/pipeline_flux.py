@@ -21,8 +21,8 @@ from .clip_text import CLIPTextEncoder
 from .flow_match import NUM_TRAIN_TIMESTEPS, ShiftConfig, euler_step, flow_match_schedule
 from .flux import FluxTransformer
 from .images import to_pil
-from .loading import CheckpointError, read_json
-from .pipeline_common import PipelineOutput, image_position_ids, pack_latents, unpack_latents
+from .loading import read_json
+from .pipeline_common import PipelineOutput, check_components, image_position_ids, pack_latents, unpack_latents
 from .t5_encoder import T5Encoder
 from .tokenizer import TextTokenizer
 from .vae_flux import FluxVAE
@@ -50,13 +50,7 @@ class FluxPipeline:
     @classmethod
     def from_pretrained(cls, folder: str | Path, dtype: jnp.dtype = jnp.bfloat16) -> "FluxPipeline":
         """Load a diffusers-layout FLUX.1 folder."""
-        folder = Path(folder)
-        if not folder.is_dir():
-            raise CheckpointError(f"{folder}: no such folder")
-        missing = [c for c in COMPONENTS if not (folder / c).is_dir()]
-        if missing:
-            raise CheckpointError(f"{folder}: missing component folder(s) {', '.join(m + '/' for m in missing)} "
-                                  f"(a FLUX.1 folder has {', '.join(c + '/' for c in COMPONENTS)})")
+        folder = check_components(folder, COMPONENTS, "FLUX.1")
         scheduler = folder / "scheduler" / "scheduler_config.json"
         config = read_json(scheduler) if scheduler.is_file() else {"use_dynamic_shifting": True}
         shift = None

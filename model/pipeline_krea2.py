@@ -18,11 +18,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from .pipeline_common import PipelineOutput, image_position_ids, pack_latents, unpack_latents
+from .pipeline_common import PipelineOutput, check_components, image_position_ids, pack_latents, unpack_latents
 from .flow_match import KREA2_TURBO_MU, NUM_TRAIN_TIMESTEPS, ShiftConfig, euler_step, flow_match_schedule
 from .images import to_pil
 from .krea2 import Krea2Config, Krea2Transformer
-from .loading import CheckpointError, read_json
+from .loading import read_json
 from .qwen3vl_text import Qwen3VLTextConfig, Qwen3VLTextEncoder
 from .tokenizer import TextTokenizer, save_demo_tokenizer
 from .vae_qwenimage import QwenImageVAE, QwenImageVAEConfig
@@ -78,13 +78,7 @@ class Krea2Pipeline:
     def from_pretrained(cls, folder: str | Path, dtype: jnp.dtype = jnp.bfloat16) -> "Krea2Pipeline":
         """Load a diffusers-layout Krea 2 folder (model_index.json, transformer/, vae/, text_encoder/, tokenizer/,
         scheduler/)."""
-        folder = Path(folder)
-        if not folder.is_dir():
-            raise CheckpointError(f"{folder}: no such folder")
-        missing = [c for c in COMPONENTS if not (folder / c).is_dir()]
-        if missing:
-            raise CheckpointError(f"{folder}: missing component folder(s) {', '.join(m + '/' for m in missing)} "
-                                  f"(a Krea 2 folder has {', '.join(c + '/' for c in COMPONENTS)})")
+        folder = check_components(folder, COMPONENTS, "Krea 2")
         index = read_json(folder / "model_index.json") if (folder / "model_index.json").is_file() else {}
         scheduler = folder / "scheduler" / "scheduler_config.json"
         shift = read_json(scheduler) if scheduler.is_file() else {}

@@ -34,6 +34,15 @@ def _quantize_int8_blocks(x: jax.Array, block: int) -> tuple[jax.Array, jax.Arra
     return q.reshape(b, s + pad, h, d)[:, :s], scale
 
 
+def _heads_and_scale(q, k, scale):
+    """(query heads per KV head, softmax scale): heads must be a multiple of KV heads; the scale defaults to
+    head_dim^-0.5."""
+    h, hk, d = q.shape[2], k.shape[2], q.shape[3]
+    if h % hk:
+        raise ValueError(f"query heads {h} must be a multiple of key/value heads {hk}")
+    return h // hk, d**-0.5 if scale is None else scale
+
+
 def _prologue(q, k, v, kv_lengths, block_q, block_k, scale, smooth_k=True):
     """Masked keys and values zeroed (they must not enter any scale: a block's amax, V's channel range), K smoothed
     over the valid keys, Q (times the softmax scale) and K quantized to INT8 per block. (A fused RMSNorm + RoPE +
@@ -66,10 +75,7 @@ def int8_attention_reference(q: jax.Array, k: jax.Array, v: jax.Array, *, kv_len
         raise ValueError(f"pv must be 'bf16' or 'fp8', got {pv!r}")
     b, sq, h, d = q.shape
     sk, hk = k.shape[1], k.shape[2]
-    if h % hk:
-        raise ValueError(f"query heads {h} must be a multiple of key/value heads {hk}")
-    group = h // hk
-    scale = d**-0.5 if scale is None else scale
+    group, scale = _heads_and_scale(q, k, scale)
     qi, qs, ki, ks, v32, valid = _prologue(q, k, v, kv_lengths, block_q, block_k, scale, smooth_k)
     # (batch, heads, q_len, kv_len) int32 products, GQA by grouping query heads per KV head
     qi_g = qi.reshape(b, sq, hk, group, d)
@@ -107,11 +113,8 @@ def int8_attention(q, k, v, *, kv_lengths=None, block_q: int = 64, block_k: int 
     from jax.experimental.pallas import triton as pltriton
 
     b, sq, h, d = q.shape
-    sk, hk = k.shape[1], k.shape[2]
-    if h % hk:
-        raise ValueError(f"query heads {h} must be a multiple of key/value heads {hk}")
-    group = h // hk
-    scale = d**-0.5 if scale is None else scale
+    sk = k.shape[1]
+    group, scale = _heads_and_scale(q, k, scale)
     qi, qs, ki, ks, v32, _ = _prologue(q, k, v, kv_lengths, block_q, block_k, scale)
     vb = v32.astype(jnp.bfloat16)
     lengths = jnp.full((b,), sk, jnp.int32) if kv_lengths is None else kv_lengths.astype(jnp.int32)

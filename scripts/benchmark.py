@@ -594,9 +594,13 @@ def main(argv=None) -> None:
         p.add_argument("--no-diffusers", dest="diffusers", action="store_false")
         p.add_argument("--json", default=None)
     args = parser.parse_args(argv)
-    commands = {"flux-step": flux_step, "flux-step-diffusers": diffusers_flux_step, "flux-step-jax": jax_flux_step,"krea2-pipeline": krea2_pipeline, "krea2-pipeline-diffusers": diffusers_krea2_pipeline,
-                "krea2-pipeline-jax": jax_krea2_pipeline,"krea2-step": krea2_step, "krea2-step-diffusers": diffusers_krea2_step,
-                "vae-decode": vae_decode, "vae-decode-diffusers": diffusers_vae_decode, "vae-decode-jax": jax_vae_decode}
+    commands = {
+        "krea2-step": krea2_step, "krea2-step-diffusers": diffusers_krea2_step,
+        "krea2-pipeline": krea2_pipeline, "krea2-pipeline-diffusers": diffusers_krea2_pipeline,
+        "krea2-pipeline-jax": jax_krea2_pipeline,
+        "vae-decode": vae_decode, "vae-decode-diffusers": diffusers_vae_decode, "vae-decode-jax": jax_vae_decode,
+        "flux-step": flux_step, "flux-step-diffusers": diffusers_flux_step, "flux-step-jax": jax_flux_step,
+    }
     commands[args.command](args)
 
 
