@@ -5,6 +5,7 @@
     python scripts/benchmark.py vae-decode                      # Qwen-Image and FLUX VAE decode, 1024 and 2048
     python scripts/benchmark.py krea2-pipeline                  # Turbo 8 steps end to end, warm and cold
     python scripts/benchmark.py flux-step                       # FLUX.1-dev, one step at 1024x1024
+    python scripts/benchmark.py gemm                            # block-scaled GEMM kernels vs XLA and torch
 
 Weights are random (bf16); the shapes are the released model's: 4096 image tokens (1024x1024), 512 text tokens of
 which 120 are real (the padding mask). JAX is timed with many steps inside one jitted program (`lax.fori_loop`),
@@ -509,6 +510,213 @@ def diffusers_flux_step(args) -> list[dict]:
     return [_torch_time(model, inputs, args, "diffusers FLUX.1-dev eager bf16", flops, warmup=2)]
 
 
+# --------------------------------------------------------------------------------------------------------------------
+# GEMM kernels (issue #7)
+
+GEMM_SHAPES = ["4608x6144x6144", "4608x6144x18432", "4608x6144x32768", "4608x16384x6144", "1024x6144x6144",
+               "16384x6144x6144"]
+
+
+def _cupti_seconds(fn, *inputs, iterations: int, by_kernel: bool = False):
+    """Median GPU time of fn(*inputs) over `iterations` calls, summed over its kernels (CUPTI, through jax's Mosaic
+    GPU profiler): launch gaps do not count, and the first call (compilation) is excluded. With `by_kernel`, also
+    the median time per kernel name."""
+    import jax
+    from jax.experimental.mosaic.gpu import profiler
+
+    jax.block_until_ready(fn(*inputs))  # compile and warm up
+    try:
+        _, runs = profiler.measure(fn, aggregate=False, iterations=iterations)(*inputs)
+    except RuntimeError:  # no CUPTI: host clock over back-to-back dispatches (launch gaps then count)
+        t0 = time.perf_counter()
+        for _ in range(iterations):
+            out = fn(*inputs)
+        jax.block_until_ready(out)
+        seconds = (time.perf_counter() - t0) / iterations
+        return (seconds, {"host clock": seconds}) if by_kernel else seconds
+    totals = [sum(t for _, t in run) / 1e3 for run in runs]
+    if not by_kernel:
+        return statistics.median(totals)
+    names = {}
+    for run in runs:
+        for name, t in run:
+            names.setdefault(name, []).append(t / 1e3)
+    return statistics.median(totals), {k: statistics.median(v) for k, v in names.items()}
+
+
+def jax_gemm(args) -> list[dict]:
+    """XLA's bf16 and FP8 dots and our kernels on each shape; errors against the float32 product of the dequantized
+    operands."""
+    import jax
+    import jax.numpy as jnp
+
+    from mxdit.pallas_kernels import gemm
+
+    rows = []
+
+    def record(name, shape, flops, fn, inputs, check=None):
+        row = {"name": name, "shape": shape}
+        try:
+            t0 = time.perf_counter()
+            out = jax.block_until_ready(fn(*inputs))
+            row["compile_s"] = time.perf_counter() - t0
+            seconds, kernels = _cupti_seconds(fn, *inputs, iterations=args.iters, by_kernel=True)
+            row.update(s=seconds, tflops=flops / seconds / 1e12, kernels=kernels)
+            if check is not None:
+                row["rel_err"] = float(jnp.linalg.norm(out.astype(jnp.float32) - check)
+                                       / jnp.linalg.norm(check))
+        except Exception as e:  # one failing variant must not hide the others' figures
+            row["error"] = f"{type(e).__name__}: {' '.join(str(e).split())[:400]}"
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+
+    for shape in args.shapes:
+        m, k, n = map(int, shape.split("x"))
+        flops = 2.0 * m * k * n
+        kx, kw = jax.random.split(jax.random.key(0))
+        x = jax.random.normal(kx, (m, k), jnp.bfloat16)
+        w = (jax.random.normal(kw, (n, k), jnp.float32) * k**-0.5).astype(jnp.bfloat16)
+        x8, sx = gemm.quantize_activations(x, "token")
+        xb8, sxb = gemm.quantize_activations(x, "block")
+        xi8, sxi = gemm.quantize_activations(x, "token", "int8")
+        w_fp8 = gemm.prepare_weight(w, "fp8_e4m3")
+
+        def reference(xq, xs, wq):
+            return gemm.scaled_matmul_reference(xq, xs, wq, out_dtype=jnp.float32)
+
+        ref_token = jax.jit(reference)(x8, sx, w_fp8)
+        record("XLA bf16 dot", shape, flops, jax.jit(lambda a, b: a @ b.T), (x, w))
+        record("XLA fp8 dot, bf16 out (no scales)", shape, flops,
+               jax.jit(lambda a, b: jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())),
+                                                        preferred_element_type=jnp.bfloat16)), (x8, w_fp8.data))
+
+        @jax.jit
+        def xla_fp8_scaled(a, sa, b, sb):
+            y = jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.bfloat16)
+            return (y.astype(jnp.float32) * sa[:, None] * sb[None, :]).astype(jnp.bfloat16)
+
+        record("XLA fp8 dot + separate per-token/channel scaling", shape, flops, xla_fp8_scaled,
+               (x8, sx, w_fp8.data, w_fp8.scale), ref_token)
+        record("quantize x per token (bf16 -> fp8), one pass", shape, flops,
+               jax.jit(lambda a: gemm.quantize_activations(a, "token")), (x,))
+        record("quantize x per 1x128 block, one pass", shape, flops,
+               jax.jit(lambda a: gemm.quantize_activations(a, "block")), (x,))
+        record("XLA int8 dot, int32 out", shape, flops,
+               jax.jit(lambda a, b: jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())),
+                                                        preferred_element_type=jnp.int32)), (xi8, w_fp8.data.astype(jnp.int8)))
+
+        def ours(name, xq, xs, wq, backend, config=None, check=None):
+            fn = jax.jit(lambda a, s, ww: gemm.scaled_matmul(a, ww, s, backend=backend, config=config))
+            if check is None:
+                check = jax.jit(reference)(xq, xs, wq)
+            record(f"{backend} {name}" + (f" {config}" if config is not None and args.sweep else ""), shape, flops,
+                   fn, (xq, xs, wq), check)
+
+        sweep = shape == args.shapes[0] and args.sweep
+        mosaic_token = [gemm.MosaicConfig(128, 128, 3), gemm.MosaicConfig(64, 256, 3), gemm.MosaicConfig(64, 128, 4),
+                        gemm.MosaicConfig(128, 128, 3, grid_tile_width=16),
+                        gemm.MosaicConfig(128, 128, 3, grid_minor_n=False)] if sweep else [None]
+        mosaic_block = [gemm.MosaicConfig(64, 128, 5), gemm.MosaicConfig(64, 256, 3), gemm.MosaicConfig(64, 128, 4),
+                        gemm.MosaicConfig(64, 128, 5, grid_tile_width=16)] if sweep else [None]
+        if "mosaic" in args.backends:
+            for cfg in mosaic_token:
+                ours("fp8 x per token, w per channel", x8, sx, w_fp8, "mosaic", cfg, ref_token)
+            for cfg in mosaic_block:
+                ours("fp8 x per 1x128 block, w per channel", xb8, sxb, w_fp8, "mosaic", cfg)
+            for fmt in ("mxfp8_e4m3", "mxfp6_e2m3", "mxfp4_e2m1"):
+                wq = gemm.prepare_weight(w, fmt, backend="mosaic")
+                ours(f"fp8 x per 1x128 block, w {fmt} folded to fp8 x 1x128", xb8, sxb, wq, "mosaic")
+            if shape == args.shapes[0]:
+                # The fused epilogue: residual + gate * gelu(x @ w^T + bias), against the reference.
+                kb, kg, kr = jax.random.split(jax.random.key(1), 3)
+                bias, gate = jax.random.normal(kb, (n,)), jax.random.normal(kg, (n,))
+                residual = jax.random.normal(kr, (m, n), jnp.bfloat16)
+                for xq, xs, label in ((x8, sx, "per token"), (xb8, sxb, "per 1x128 block")):
+                    check = gemm.scaled_matmul_reference(xq, xs, w_fp8, bias=bias, activation="gelu_tanh",
+                                                         residual=residual, gate=gate, out_dtype=jnp.float32)
+                    record(f"mosaic fp8 x {label} + epilogue residual + gate * gelu(. + bias)", shape, flops,
+                           jax.jit(lambda a, s, ww, b, g, r: gemm.scaled_matmul(
+                               a, ww, s, bias=b, activation="gelu_tanh", gate=g, residual=r, backend="mosaic")),
+                           (xq, xs, w_fp8, bias, gate, residual), check)
+                # The fast activation quantizer must give quant.formats' bits on the GPU too.
+                fast, _ = jax.jit(lambda a: gemm.quantize_activations(a, "token"))(x)
+                exact = jax.jit(lambda a: gemm.quantize(a.astype(jnp.float32), "fp8_e4m3").data)(x)
+                row = {"name": "fast activation quantizer: bytes differing from quant.formats", "shape": shape,
+                       "mismatches": int(jnp.sum(jax.lax.bitcast_convert_type(fast, jnp.uint8)
+                                                 != jax.lax.bitcast_convert_type(exact, jnp.uint8)))}
+                print(json.dumps(row), flush=True)
+                rows.append(row)
+        if "triton" in args.backends:
+            triton_fp8 = [gemm.TritonConfig(128, 128, 8, 3), gemm.TritonConfig(128, 256, 8, 3),
+                          gemm.TritonConfig(64, 128, 4, 4)] if sweep else [None]
+            for cfg in triton_fp8:
+                ours("fp8 x per token, w per channel", x8, sx, w_fp8, "triton", cfg, ref_token)
+            ours("fp8 x per 1x128 block, w per channel", xb8, sxb, w_fp8, "triton")
+            w_int8 = gemm.prepare_weight(w, "int8", backend="triton")
+            ours("int8 x per token, w int8 per channel", xi8, sxi, w_int8, "triton")
+            triton_mx = [gemm.TritonConfig(128, 64, 4, 3), gemm.TritonConfig(64, 64, 4, 3),
+                         gemm.TritonConfig(64, 128, 4, 2)] if sweep else [None]
+            for fmt in ("mxfp8_e4m3", "mxfp6_e2m3", "mxfp4_e2m1"):
+                wq = gemm.prepare_weight(w, fmt, backend="triton")
+                for cfg in (triton_mx if fmt == "mxfp4_e2m1" else [None]):
+                    ours(f"fp8 x per token, w {fmt} unpacked in kernel", x8, sx, wq, "triton", cfg)
+        # MX folding: how far the folded weight is from the MX weight it stands for.
+        for fmt in ("mxfp8_e4m3", "mxfp6_e2m3", "mxfp4_e2m1"):
+            q = jax.jit(lambda a: gemm.quantize(a, fmt))(w.astype(jnp.float32))
+            row = {"name": f"fold {fmt} -> fp8 x 1x128: rel L2 vs the MX weight", "shape": shape,
+                   "fold_err": gemm.fold_mx_error(q)}
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+    return rows
+
+
+def torch_gemm(args) -> list[dict]:
+    """torch's bf16 matmul and `_scaled_mm` (FP8, row-wise and tensor-wise scales), CUDA events."""
+    import torch
+
+    rows = []
+    for shape in args.shapes:
+        m, k, n = map(int, shape.split("x"))
+        flops = 2.0 * m * k * n
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * k**-0.5
+        sx = x.abs().amax(dim=1, keepdim=True).float() / 448
+        sw = w.abs().amax(dim=1, keepdim=True).float() / 448
+        x8 = (x / sx).to(torch.float8_e4m3fn)
+        w8 = (w / sw).to(torch.float8_e4m3fn)
+        one = torch.ones((), device="cuda")
+        variants = {
+            "torch bf16 matmul": (lambda: x @ w.t()),
+            "torch _scaled_mm fp8 rowwise": (lambda: torch._scaled_mm(x8, w8.t(), scale_a=sx, scale_b=sw.t(),
+                                                                      out_dtype=torch.bfloat16)),
+            "torch _scaled_mm fp8 tensorwise": (lambda: torch._scaled_mm(x8, w8.t(), scale_a=one, scale_b=one,
+                                                                         out_dtype=torch.bfloat16)),
+        }
+        for name, fn in variants.items():
+            row = _torch_time(lambda: fn(), {}, args, name, flops, warmup=3)
+            row.update(shape=shape, s=row.pop("s_per_step", None))
+            rows.append(row)
+    return rows
+
+
+def gemm_benchmark(args) -> None:
+    forwarded = ["--shapes", *args.shapes, "--iters", str(args.iters), "--repeats", str(args.repeats)]
+    rows = _subprocess_rows(args, "gemm-torch", forwarded) if args.torch else []
+    rows += _subprocess_rows(args, "gemm-jax", forwarded + ["--backends", *args.backends]
+                             + (["--sweep"] if args.sweep else []))
+    print(f"\\n{'shape':<16} {'implementation':<84} {'TFLOP/s':>8} {'rel err':>8}")
+    for r in rows:
+        if "error" in r:
+            print(f"{r.get('shape', ''):<16} {r['name']:<84} error: {r['error']}")
+        elif "fold_err" in r:
+            print(f"{r['shape']:<16} {r['name']:<84} {'':>8} {r['fold_err']:8.1e}")
+        elif r.get("s"):
+            err = f"{r['rel_err']:8.1e}" if "rel_err" in r else f"{'':>8}"
+            print(f"{r['shape']:<16} {r['name']:<84} {r['tflops']:8.0f} {err}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
+
+
 def flux_step(args) -> None:
     forwarded = ["--height", str(args.height), "--width", str(args.width), "--text-len", str(args.text_len),
                  "--iters", str(args.iters), "--repeats", str(args.repeats)]
@@ -593,6 +801,15 @@ def main(argv=None) -> None:
         p.add_argument("--repeats", type=int, default=3)
         p.add_argument("--no-diffusers", dest="diffusers", action="store_false")
         p.add_argument("--json", default=None)
+    for name in ("gemm", "gemm-jax", "gemm-torch"):
+        p = sub.add_parser(name)
+        p.add_argument("--shapes", nargs="+", default=GEMM_SHAPES, help="MxKxN")
+        p.add_argument("--backends", nargs="+", default=["mosaic", "triton"], choices=["mosaic", "triton"])
+        p.add_argument("--sweep", action="store_true", help="try several tile configurations on the first shape")
+        p.add_argument("--iters", type=int, default=20)
+        p.add_argument("--repeats", type=int, default=3, help="torch: repeats of --iters calls")
+        p.add_argument("--no-torch", dest="torch", action="store_false")
+        p.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     commands = {
         "krea2-step": krea2_step, "krea2-step-diffusers": diffusers_krea2_step,
@@ -600,6 +817,7 @@ def main(argv=None) -> None:
         "krea2-pipeline-jax": jax_krea2_pipeline,
         "vae-decode": vae_decode, "vae-decode-diffusers": diffusers_vae_decode, "vae-decode-jax": jax_vae_decode,
         "flux-step": flux_step, "flux-step-diffusers": diffusers_flux_step, "flux-step-jax": jax_flux_step,
+        "gemm": gemm_benchmark, "gemm-jax": jax_gemm, "gemm-torch": torch_gemm,
     }
     commands[args.command](args)
 

@@ -1,0 +1,687 @@
+"""Block-scaled low-precision GEMM: `y = epilogue((x * sx) @ (w * sw)^T)` with x in FP8 or INT8 and w in FP8, MXFP8,
+MXFP6, MXFP4 or INT8; float32 accumulation; bf16 output.
+
+Three implementations of one definition, which `scaled_matmul_reference` states in plain jnp:
+
+- `backend="mosaic"`: Mosaic GPU for Hopper (wgmma with FP8 operands straight from shared memory, TMA loads in a
+  warp-specialized pipeline: one memory warpgroup, two compute warpgroups; a persistent grid over output tiles).
+- `backend="triton"`: Pallas' Triton lowering, the portable path (also the code for ROCm): FP8 and INT8 dots, MX
+  weights unpacked and scaled inside the kernel.
+- `backend="reference"`: dequantize both operands to float32 and multiply (what the tests compare against).
+
+Scaling (`../shared/reference/formats_and_kernels.md`, DeepGEMM's recipe):
+- Activations: FP8 E4M3 with one float32 scale per token (`x_scaling="token"`) or per token and 128-wide K block
+  (`"block"`, 1x128), quantized by `quantize_activations` (one XLA fusion over x); INT8 per token for INT8 weights.
+- Weights: one scale per output channel (fp8, int8), or per output channel and 128-wide K block. With block scales
+  anywhere, the kernel promotes: each 128-wide K block's product is accumulated on its own and added into the float32
+  accumulator as `acc += sx[m] * sw[n] * partial`, which also keeps FP8 wgmma's short accumulator (~14 significant
+  bits) from seeing a long sum. Per-token x per-channel scales are applied once, in the epilogue.
+- MX weights on the Mosaic path are re-expressed per 128-block by `fold_mx_weight`: the four 32-block exponents of
+  a 128-block are folded into E4M3 values under one float32 scale. E2M3 / E2M1 / E3M2 values shifted by the exponent
+  differences stay exact in E4M3 while the spread is small (see `fold_mx_weight`); the weight then takes 8 bits a
+  value on the device (not 6 or 4). The Triton path keeps the packed codes in memory and unpacks them in the kernel.
+
+Epilogue: `activation(y + bias)`, then `residual + gate * that` (the DiT's gated residual), all in float32.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from mxdit.quant.formats import FORMATS, QuantizedArray, quantize
+
+BLOCK_K = 128  # the K extent of an activation / weight scale block, and of every kernel's K step
+MX_BLOCK = 32
+ACTIVATIONS = ("none", "gelu_tanh", "silu")
+WEIGHT_FORMATS = ("fp8_e4m3", "mxfp8_e4m3", "mxfp6_e2m3", "mxfp6_e3m2", "mxfp4_e2m1", "int8", "int8_rot")
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Operands
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["data", "scale", "high_bits"],
+                   meta_fields=["fmt", "layout", "n", "k"])
+@dataclasses.dataclass(frozen=True)
+class GemmWeight:
+    """A weight (n, k) (PyTorch's (out, in) layout) in the form a backend reads.
+
+    layout:
+        "channel": `data` (n, k) FP8/INT8, `scale` (n,) float32.
+        "block":   `data` (n, k) FP8 E4M3, `scale` (k / 128, n) float32 (one per channel and 128-wide K block).
+        "mx":      packed codes for the Triton kernel (`pack_mx_for_kernel`): `data` (n, k / 2) uint8 low nibbles,
+                   `high_bits` (n, k / 4) uint8 (FP6 only), or `data` (n, k) FP8 for MXFP8; `scale` (n, k / 32) uint8
+                   E8M0 exponents.
+    k is padded to a multiple of 128 (zeros), n is not.
+    """
+
+    data: jax.Array
+    scale: jax.Array
+    high_bits: jax.Array | None
+    fmt: str
+    layout: str
+    n: int
+    k: int
+
+
+def _pad_k(x: jax.Array, multiple: int = BLOCK_K) -> jax.Array:
+    pad = (-x.shape[-1]) % multiple
+    return jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, pad)]) if pad else x
+
+
+def prepare_weight(w: jax.Array | QuantizedArray, fmt: str | None = None, *, backend: str = "mosaic") -> GemmWeight:
+    """A weight for `scaled_matmul`: `w` (n, k) float (quantized here to `fmt`) or a `QuantizedArray` quantized along
+    k (axis -1), laid out for `backend` ("mosaic", "triton" or "reference": the reference takes either layout)."""
+    if not isinstance(w, QuantizedArray):
+        if fmt is None:
+            raise ValueError("prepare_weight: give `fmt` for an unquantized weight")
+        w = quantize(_pad_k(jnp.asarray(w, jnp.float32)), fmt, axis=-1)
+    if w.fmt not in WEIGHT_FORMATS:
+        raise ValueError(f"scaled_matmul weights: format {w.fmt!r} is not supported; use one of {WEIGHT_FORMATS}")
+    if len(w.shape) != 2 or w.axis != 1:
+        raise ValueError(f"scaled_matmul weights: need a 2-D (out, in) array quantized along its last axis, got shape "
+                         f"{w.shape} quantized along axis {w.axis}")
+    n, k = w.shape
+    kp = k + (-k) % BLOCK_K
+    f = FORMATS[w.fmt]
+    if f.kind in ("fp8", "int8"):
+        return GemmWeight(_pad_k(w.data), w.scale.reshape(n).astype(jnp.float32), None, w.fmt, "channel", n, kp)
+    if backend == "mosaic":
+        data, scale = fold_mx_weight(w)
+        return GemmWeight(data, scale, None, w.fmt, "block", n, kp)
+    return pack_mx_for_kernel(w)
+
+
+def _e8m0_exponents(scale: jax.Array) -> jax.Array:
+    return jax.lax.bitcast_convert_type(scale, jnp.uint8).astype(jnp.int32) - 127
+
+
+def fold_mx_weight(w: QuantizedArray) -> tuple[jax.Array, jax.Array]:
+    """An MX weight (n, k) as E4M3 values (n, k') and float32 scales (k' / 128, n), k' = k rounded up to 128.
+
+    Each 128-block takes the scale 2^(e_max - shift) where e_max is the largest of its four 32-block exponents and
+    `shift` lifts the element format's largest value as close to E4M3's 448 as a power of two allows (E2M1 x 64,
+    E2M3 x 32, E3M2 x 8, E4M3 x 1); a 32-block with exponent e_max - d has its elements multiplied by 2^(shift - d).
+    That is exact unless d is large enough to push elements below E4M3's subnormal grid (2^-9): for E2M3 / E2M1 it
+    stays exact up to d = 11 / 14 (a 2048x / 16384x spread of block scales within 128 values), for E4M3 elements
+    (MXFP8) small elements can lose bits as soon as d > 0. `fold_mx_error` measures it.
+    """
+    f = w.format
+    n = w.shape[0]
+    values = _mx_values(w)  # (n, kp / 32, 32) element values (unscaled), float32
+    exps = _e8m0_exponents(w.scale)  # (n, kp / 32)
+    kp = values.shape[1] * MX_BLOCK
+    kp128 = kp + (-kp) % BLOCK_K
+    pad_blocks = (kp128 - kp) // MX_BLOCK
+    values = jnp.pad(values, ((0, 0), (0, pad_blocks), (0, 0)))
+    exps = jnp.pad(exps, ((0, 0), (0, pad_blocks)), constant_values=-127)
+    shift = math.floor(math.log2(448.0 / f.element.max_normal))
+    sub = BLOCK_K // MX_BLOCK
+    e128 = jnp.max(exps.reshape(n, -1, sub), axis=-1)  # (n, kp128 / 128)
+    d = jnp.repeat(e128, sub, axis=1) - exps
+    folded = jnp.ldexp(values, (shift - d)[..., None]).reshape(n, kp128)
+    scale = jnp.ldexp(jnp.float32(1.0), e128 - shift).T  # (kp128 / 128, n)
+    return folded.astype(jnp.float8_e4m3fn), scale.astype(jnp.float32)
+
+
+def fold_mx_error(w: QuantizedArray) -> float:
+    """Relative L2 difference between an MX weight and its `fold_mx_weight` form (0.0 when the fold is exact)."""
+    data, scale = fold_mx_weight(w)
+    kp = data.shape[1]
+    folded = data.astype(jnp.float32).reshape(w.shape[0], kp // BLOCK_K, BLOCK_K) * scale.T[..., None]
+    exact = _pad_k(w.dequantize(jnp.float32))
+    folded = folded.reshape(w.shape[0], kp)[:, : exact.shape[1]]
+    return float(jnp.linalg.norm(folded - exact) / jnp.maximum(jnp.linalg.norm(exact), 1e-30))
+
+
+def _mx_values(w: QuantizedArray) -> jax.Array:
+    """Unscaled element values of an MX array, (rows, blocks, 32) float32."""
+    from mxdit.quant.formats import decode, unpack_fp4, unpack_fp6
+
+    f = w.format
+    if f.element.bits == 4:
+        codes = unpack_fp4(w.data)
+    elif f.element.bits == 6:
+        codes = unpack_fp6(w.data)
+    else:
+        codes = jax.lax.bitcast_convert_type(w.data, jnp.uint8)
+    return decode(codes, f.element).reshape(w.data.shape[0], -1, MX_BLOCK)
+
+
+def pack_mx_for_kernel(w: QuantizedArray) -> GemmWeight:
+    """Re-pack an MX weight's codes so the Triton kernel unpacks them with shifts and masks only (no interleaving).
+
+    K is padded to 128. Within each 64-wide group g of K, byte j of `data` holds element 64g + j in its low nibble and
+    element 64g + 32 + j in its high nibble, so one 32-byte load yields two whole 32-blocks. FP6 codes keep their
+    low 4 bits that way and their top 2 bits in `high_bits`: within each 128-wide group h, byte j holds the top bits
+    of elements 128h + 32q + j in bits [2q, 2q + 2), q = 0..3. MXFP8 keeps its E4M3 bytes.
+    """
+    from mxdit.quant.formats import unpack_fp4, unpack_fp6
+
+    f = w.format
+    n = w.shape[0]
+    if f.element.bits == 8:
+        data = jax.lax.bitcast_convert_type(w.data, jnp.float8_e4m3fn)
+        codes = None
+    else:
+        codes = (unpack_fp4 if f.element.bits == 4 else unpack_fp6)(w.data).astype(jnp.uint8)
+    exps = jax.lax.bitcast_convert_type(w.scale, jnp.uint8)
+    kp = (codes if codes is not None else data).shape[1]
+    kp128 = kp + (-kp) % BLOCK_K
+    exps = jnp.pad(exps, ((0, 0), (0, (kp128 - kp) // MX_BLOCK)))  # zero codes: the padding is zero anyway
+    if codes is None:
+        return GemmWeight(_pad_k(data), exps, None, w.fmt, "mx", n, kp128)
+    codes = _pad_k(codes)
+    g64 = codes.reshape(n, kp128 // 64, 2, MX_BLOCK)
+    low = (g64[:, :, 0] & 0xF) | ((g64[:, :, 1] & 0xF) << 4)
+    data = low.reshape(n, kp128 // 2).astype(jnp.uint8)
+    high = None
+    if f.element.bits == 6:
+        g128 = (codes.reshape(n, kp128 // BLOCK_K, 4, MX_BLOCK) >> 4).astype(jnp.uint8)
+        high = (g128[:, :, 0] | (g128[:, :, 1] << 2) | (g128[:, :, 2] << 4) | (g128[:, :, 3] << 6))
+        high = high.reshape(n, kp128 // 4).astype(jnp.uint8)
+    return GemmWeight(data, exps, high, w.fmt, "mx", n, kp128)
+
+
+def quantize_activations(x: jax.Array, scaling: str = "token", fmt: str = "fp8_e4m3") -> tuple[jax.Array, jax.Array]:
+    """x (m, k) float -> (values (m, k'), scales), k' = k padded to 128 with zeros.
+
+    scaling "token": scales (m,) float32; "block": scales (k' / 128, m), one per token and 128-wide K block (stored
+    K-major so a kernel reads a tile's scales as one contiguous run). fmt: "fp8_e4m3", or "int8" / "int8_rot" (per
+    token only; the rotation must match the weight's).
+
+    The values are those of `quant.formats.quantize` bit for bit (a test checks it), computed the fast way: XLA's
+    float32 -> E4M3 conversion rounds to nearest even as the format's definition does, so one fused pass replaces
+    the exact-arithmetic emulation (which took as long as the GEMM itself at 4608x6144).
+    """
+    if scaling not in ("token", "block"):
+        raise ValueError(f"scaling must be 'token' or 'block', got {scaling!r}")
+    if fmt.startswith("int8") and scaling != "token":
+        raise ValueError("INT8 activations are scaled per token only")
+    x = _pad_k(x)
+    m, k = x.shape
+    if fmt != "fp8_e4m3":
+        q = quantize(x, fmt, axis=-1)
+        return q.data, q.scale.reshape(m)
+    rows = x.reshape(m, k // BLOCK_K, BLOCK_K) if scaling == "block" else x
+    values, scale = _fp8_e4m3_rows(rows.astype(jnp.float32))
+    if scaling == "token":
+        return values, scale[..., 0]
+    return values.reshape(m, k), scale[..., 0].T
+
+
+def _fp8_e4m3_rows(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Per-row FP8 E4M3 quantization with `quant.formats`' scale rule (amax * float32(1/448)); NaN scale for rows
+    holding NaN/Inf, whose values are zeroed."""
+    amax = jnp.max(jnp.abs(x), axis=-1, keepdims=True)
+    scale = jnp.where(amax > 0, amax * np.float32(1.0 / 448.0), 1.0).astype(jnp.float32)
+    scale = jnp.where(jnp.isfinite(amax), scale, jnp.nan)
+    q = jnp.where(jnp.isfinite(x), jnp.clip(x / scale, -448.0, 448.0), 0.0)
+    return q.astype(jnp.float8_e4m3fn), scale
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# The definition
+
+
+def _epilogue(y, bias, activation, residual, gate):
+    if bias is not None:
+        y = y + bias.astype(jnp.float32)
+    if activation == "gelu_tanh":
+        y = jax.nn.gelu(y, approximate=True)
+    elif activation == "silu":
+        y = jax.nn.silu(y)
+    if gate is not None:
+        y = y * gate.astype(jnp.float32)
+    if residual is not None:
+        y = y + residual.astype(jnp.float32)
+    return y
+
+
+def dequantize_weight(w: GemmWeight, *, rotated_basis: bool = False) -> jax.Array:
+    """The (n, k') float32 values a `GemmWeight` stands for (k' padded to 128). An `int8_rot` weight is rotated back,
+    unless `rotated_basis`: then its values stay in the rotated basis that its activations share."""
+    if w.layout == "channel":
+        values = w.data.astype(jnp.float32) * w.scale[:, None]
+        if FORMATS[w.fmt].rotated and not rotated_basis:
+            from mxdit.quant.formats import _rotate
+
+            values = _rotate(values, FORMATS[w.fmt].block)
+        return values
+    if w.layout == "block":
+        v = w.data.astype(jnp.float32).reshape(w.n, w.k // BLOCK_K, BLOCK_K) * w.scale.T[..., None]
+        return v.reshape(w.n, w.k)
+    codes = _unpack_kernel_codes(w)
+    values = _decode_jnp(codes, w.fmt).reshape(w.n, w.k // MX_BLOCK, MX_BLOCK)
+    exps = w.scale.astype(jnp.int32) - 127
+    return jnp.where(exps[..., None] == 128, jnp.nan, jnp.ldexp(values, exps[..., None])).reshape(w.n, w.k)
+
+
+def _unpack_kernel_codes(w: GemmWeight) -> jax.Array:
+    if FORMATS[w.fmt].element.bits == 8:
+        return jax.lax.bitcast_convert_type(w.data, jnp.uint8)
+    g = w.data.reshape(w.n, w.k // 64, 1, MX_BLOCK)
+    codes = jnp.concatenate([g & 0xF, g >> 4], axis=2).reshape(w.n, w.k)
+    if w.high_bits is not None:
+        h = w.high_bits.reshape(w.n, w.k // BLOCK_K, 1, MX_BLOCK)
+        top = jnp.concatenate([(h >> (2 * q)) & 3 for q in range(4)], axis=2).reshape(w.n, w.k)
+        codes = codes | (top << 4)
+    return codes
+
+
+def _decode_jnp(codes, fmt):
+    from mxdit.quant.formats import decode
+
+    return decode(codes, FORMATS[fmt].element)
+
+
+def scaled_matmul_reference(x: jax.Array, x_scale: jax.Array, w: GemmWeight, *, bias=None, activation: str = "none",
+                            residual=None, gate=None, out_dtype=jnp.bfloat16) -> jax.Array:
+    """The float32 product of the dequantized operands, then the epilogue: what every backend computes.
+
+    x: (m, k') quantized values, x_scale: (m,) or (k' / 128, m) as `quantize_activations` returns them.
+    """
+    xf = x.astype(jnp.float32)
+    m, k = xf.shape
+    if x_scale.ndim == 1:
+        xf = xf * x_scale[:, None]
+    else:
+        xf = (xf.reshape(m, k // BLOCK_K, BLOCK_K) * x_scale.T[..., None]).reshape(m, k)
+    # int8_rot: x was quantized in the rotated basis too, and the rotations cancel in the product.
+    y = jnp.dot(xf, dequantize_weight(w, rotated_basis=True).T, precision=jax.lax.Precision.HIGHEST)
+    return _epilogue(y, bias, activation, residual, gate).astype(out_dtype)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Mosaic GPU (Hopper)
+
+
+@dataclasses.dataclass(frozen=True)
+class MosaicConfig:
+    """Tiles of the Mosaic GPU kernel. Each of the two compute warpgroups owns `tile_m` x `tile_n` of the output (the
+    CTA covers 2 * tile_m rows); the K step is 128. `max_concurrent_steps`: shared-memory pipeline depth.
+    `grid_tile_width`: how many tiles along the minor grid dimension the persistent loop sweeps before turning
+    (output tiles that share operands run close together in time, so they hit L2)."""
+
+    tile_m: int = 128
+    tile_n: int = 128
+    max_concurrent_steps: int = 4
+    epi_tile_n: int = 64
+    grid_minor_n: bool = True
+    grid_tile_width: int = 8
+
+
+def default_mosaic_config(m: int, n: int, k: int, block_scaled: bool) -> MosaicConfig:
+    """The tiles the benchmark picked for this kind of shape on an H200 (see pallas_kernels/NOTES.md)."""
+    if block_scaled:
+        # Promotion keeps a partial and a total accumulator in registers: 64 x 128 per warpgroup leaves room for both.
+        return MosaicConfig(tile_m=64, tile_n=128, max_concurrent_steps=5)
+    return MosaicConfig(tile_m=128, tile_n=128, max_concurrent_steps=3)
+
+
+def _mosaic_gemm(x, x_scale, w_data, w_scale, bias, residual, gate, *, block_scaled, activation, out_dtype,
+                 config: MosaicConfig, interpret=False):
+    import jax.experimental.pallas as pl
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+    from jax import lax
+
+    m, k = x.shape
+    n = w_data.shape[0]
+    tm, tn, tk = config.tile_m, config.tile_n, BLOCK_K
+    cta_m = 2 * tm
+    if m % cta_m or n % tn or k % tk:
+        raise ValueError(f"mosaic gemm: ({m}, {k}) x ({n}, {k}) must be multiples of ({cta_m}, {tk}) x ({tn}, {tk})")
+    m_iters, n_iters, k_iters = m // cta_m, n // tn, k // tk
+    epi_n = min(config.epi_tile_n, tn)
+    steps = min(config.max_concurrent_steps, k_iters)
+    wgmma = plgpu.Layout.WGMMA
+    fp8_transforms = (plgpu.TilingTransform((8, 128)), plgpu.SwizzleTransform(128))
+    out_swizzle = plgpu.find_swizzle(epi_n * jnp.dtype(out_dtype).itemsize * 8)
+    out_transforms = (plgpu.TilingTransform((8, out_swizzle // jnp.dtype(out_dtype).itemsize)),
+                      plgpu.SwizzleTransform(out_swizzle))
+    has_bias, has_res, has_gate = bias is not None, residual is not None, gate is not None
+    # Epilogue operands travel by TMA into shared memory (registers can only be filled from there): per warpgroup,
+    # column vectors (n-indexed: weight scales, bias, gate) and the row scales, each copy on its own barrier.
+    col_vectors = ([] if block_scaled else ["w_scale"]) + (["bias"] if has_bias else []) + (["gate"] if has_gate else [])
+    n_barriers = len(col_vectors) + 2  # + row scales + residual tile
+
+    def kernel(x_gmem, xs_gmem, w_gmem, ws_gmem, bias_gmem, res_gmem, gate_gmem, out_gmem, out_smem, row_smem,
+               col_smem, barriers):
+        wg = lax.axis_index("wg")
+        col_gmem = {"w_scale": ws_gmem, "bias": bias_gmem, "gate": gate_gmem}
+
+        def barrier(i):
+            return barriers.at[wg * n_barriers + i]
+
+        def pipeline(body, compute_context):
+            specs = [plgpu.BlockSpec((cta_m, tk), lambda kk: (0, kk), transforms=fp8_transforms),
+                     plgpu.BlockSpec((tn, tk), lambda kk: (0, kk), transforms=fp8_transforms)]
+            if block_scaled:
+                specs += [plgpu.BlockSpec((1, cta_m), lambda kk: (kk, 0)), plgpu.BlockSpec((1, tn), lambda kk: (kk, 0))]
+            return plgpu.emit_pipeline_warp_specialized(
+                body, grid=(k_iters,), memory_registers=40, in_specs=specs, wg_axis="wg", num_compute_wgs=2,
+                max_concurrent_steps=steps, compute_context=compute_context)
+
+        @plgpu.nd_loop((m_iters * n_iters,), collective_axes="sm")
+        def _tile_loop(info):
+            (lin,) = info.index
+            mi, ni = plgpu.planar_snake(lin, (m_iters, n_iters), 1 if config.grid_minor_n else 0,
+                                        config.grid_tile_width)
+            rows = pl.ds(mi * cta_m, cta_m)
+            cols = pl.ds(ni * tn, tn)
+            wg_rows = pl.ds(wg * tm, tm)
+
+            def body(_, x_smem, w_smem, *rest):
+                if not block_scaled:
+                    (acc_ref,) = rest
+                    plgpu.wgmma(acc_ref, x_smem.at[wg_rows], w_smem.transpose((1, 0)))
+                    plgpu.wgmma_wait(0)
+                    return acc_ref
+                xs_smem, ws_smem, acc = rest
+
+                def block_product(ref):
+                    plgpu.wgmma(ref, x_smem.at[wg_rows], w_smem.transpose((1, 0)))
+                    plgpu.wgmma_wait(0)
+                    return ref[...]
+
+                partial = pl.run_scoped(block_product, plgpu.ACC((tm, tn), jnp.float32))
+                sx = plgpu.load(xs_smem.at[0, wg_rows], layout=wgmma.reduce(1))
+                sw = plgpu.load(ws_smem.at[0], layout=wgmma.reduce(0))
+                scale = lax.broadcast_in_dim(sx, (tm, tn), [0]) * lax.broadcast_in_dim(sw, (tm, tn), [1])
+                return acc + partial * scale
+
+            def compute_context(run):
+                # The epilogue's vectors are fetched while the main loop runs.
+                if not block_scaled:
+                    plgpu.copy_gmem_to_smem(xs_gmem.at[rows].at[wg_rows], row_smem.at[wg], barrier(0))
+                for i, name in enumerate(col_vectors):
+                    plgpu.copy_gmem_to_smem(col_gmem[name].at[cols], col_smem.at[wg, i], barrier(2 + i))
+                if block_scaled:
+                    acc = run(plgpu.layout_cast(jnp.zeros((tm, tn), jnp.float32), wgmma))
+                else:
+                    def scoped(acc_ref):
+                        run(acc_ref)
+                        return acc_ref[...]
+
+                    acc = pl.run_scoped(scoped, plgpu.ACC((tm, tn), jnp.float32))
+                    plgpu.barrier_wait(barrier(0))
+                    sx = plgpu.load(row_smem.at[wg], layout=wgmma.reduce(1))
+                    acc = acc * lax.broadcast_in_dim(sx, (tm, tn), [0])
+
+                def column(name):
+                    i = col_vectors.index(name)
+                    plgpu.barrier_wait(barrier(2 + i))
+                    return lax.broadcast_in_dim(plgpu.load(col_smem.at[wg, i], layout=wgmma.reduce(0)), (tm, tn), [1])
+
+                if not block_scaled:
+                    acc = acc * column("w_scale")
+                if has_bias:
+                    acc = acc + column("bias")
+                if activation == "gelu_tanh":
+                    acc = jax.nn.gelu(acc, approximate=True)
+                elif activation == "silu":
+                    acc = acc * jax.nn.sigmoid(acc)
+                if has_gate:
+                    acc = acc * column("gate")
+                if not has_res:
+                    acc = acc.astype(out_dtype)
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                for e in range(tn // epi_n):
+                    slot = e % 2
+                    plgpu.wait_smem_to_gmem(1, wait_read_only=True)
+                    out_cols = pl.ds(ni * tn + e * epi_n, epi_n)
+                    part = acc[:, e * epi_n:(e + 1) * epi_n]
+                    if has_res:
+                        plgpu.copy_gmem_to_smem(res_gmem.at[rows].at[wg_rows].at[:, out_cols], out_smem.at[wg, slot],
+                                                barrier(1))
+                        plgpu.barrier_wait(barrier(1))
+                        res = plgpu.load(out_smem.at[wg, slot], layout=wgmma).astype(jnp.float32)
+                        part = (part + res).astype(out_dtype)
+                    out_smem[wg, slot] = part
+                    plgpu.commit_smem()
+                    plgpu.copy_smem_to_gmem(out_smem.at[wg, slot], out_gmem.at[rows].at[wg_rows].at[:, out_cols])
+
+            args = [x_gmem.at[rows], w_gmem.at[cols]]
+            if block_scaled:
+                args += [xs_gmem.at[:, rows], ws_gmem.at[:, cols]]
+            pipeline(body, compute_context)(*args)
+
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+    num_sms = 1 if interpret else jax.devices()[0].core_count
+    dummy = jnp.zeros((16,), jnp.float32)
+    call = plgpu.kernel(
+        kernel,
+        out_type=jax.ShapeDtypeStruct((m, n), out_dtype),
+        grid=(min(num_sms, m_iters * n_iters),),
+        grid_names=("sm",),
+        num_threads=3,
+        thread_name="wg",
+        scratch_types=dict(
+            out_smem=plgpu.SMEM((2, 2, tm, epi_n), out_dtype, transforms=out_transforms),
+            row_smem=plgpu.SMEM((2, tm), jnp.float32),
+            col_smem=plgpu.SMEM((2, max(len(col_vectors), 1), tn), jnp.float32),
+            barriers=plgpu.Barrier(num_barriers=2 * n_barriers),
+        ),
+        interpret=_mosaic_interpret() if interpret else None,
+    )
+    return call(x, x_scale, w_data, w_scale, bias.astype(jnp.float32) if has_bias else dummy,
+                residual.astype(out_dtype) if has_res else dummy, gate.astype(jnp.float32) if has_gate else dummy)
+
+
+def _mosaic_interpret():
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+
+    return plgpu.InterpretGPUParams()
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Triton lowering (portable)
+
+
+@dataclasses.dataclass(frozen=True)
+class TritonConfig:
+    block_m: int = 128
+    block_n: int = 128
+    num_warps: int = 8
+    num_stages: int = 3
+
+
+def default_triton_config(m: int, n: int, k: int, fmt: str) -> TritonConfig:
+    """Tiles by operand kind: MX unpacking needs registers, so its tiles are narrower."""
+    if FORMATS[fmt].kind == "mx":
+        return TritonConfig(block_m=128, block_n=64, num_warps=4, num_stages=3)
+    return TritonConfig()
+
+
+def _mx_codes_to_e4m3(codes, fmt):
+    """Element codes (uint8 in the low bits) -> float8_e4m3fn of the same values (exact: every E2M1, E2M3 and E3M2
+    value is an E4M3 value). Integer arithmetic builds the float32 value; no table, no ldexp (Triton has neither)."""
+    e = FORMATS[fmt].element
+    c = codes.astype(jnp.int32)
+    sign = (c >> (e.ebits + e.mbits)) & 1
+    exp_field = (c >> e.mbits) & ((1 << e.ebits) - 1)
+    mant = c & ((1 << e.mbits) - 1)
+    # value = (exp_field ? 2^mbits + mant : 2 * mant) * 2^(max(exp_field, 1) - bias - mbits)
+    significand = jnp.where(exp_field > 0, mant + (1 << e.mbits), mant).astype(jnp.float32)
+    pow2_bits = (jnp.maximum(exp_field, 1) - e.bias - e.mbits + 127) << 23
+    value = significand * jax.lax.bitcast_convert_type(pow2_bits, jnp.float32)
+    value = jnp.where(sign == 1, -value, value)
+    return value.astype(jnp.float8_e4m3fn)
+
+
+def _triton_gemm(x, x_scale, w: GemmWeight, bias, residual, gate, *, activation, out_dtype, config: TritonConfig,
+                 interpret=False):
+    import jax.experimental.pallas as pl
+    from jax.experimental.pallas import triton as pltriton
+
+    m, k = x.shape
+    n = w.n
+    bm, bn = min(config.block_m, _pow2_at_least(m)), min(config.block_n, _pow2_at_least(n))
+    k_iters = k // BLOCK_K
+    x_blocks = x_scale.ndim == 2
+    int8 = jnp.dtype(x.dtype) == jnp.int8
+    mx = w.layout == "mx"
+    bits = FORMATS[w.fmt].element.bits if mx else 8
+    has_bias, has_res, has_gate = bias is not None, residual is not None, gate is not None
+    w_block = w.layout == "block"
+
+    def kernel(x_ref, xs_ref, w_ref, ws_ref, hb_ref, bias_ref, res_ref, gate_ref, o_ref):
+        acc_type = jnp.int32 if int8 else jnp.float32
+
+        def x_scale_block(kb):
+            return xs_ref[kb, :] if x_blocks else None
+
+        def step(kb, acc):
+            if not (mx or w_block or x_blocks):
+                xt = x_ref[:, pl.ds(kb * BLOCK_K, BLOCK_K)]
+                wt = w_ref[:, pl.ds(kb * BLOCK_K, BLOCK_K)]
+                return acc + jnp.dot(xt, wt.T, preferred_element_type=acc_type)
+            if not mx:
+                xt = x_ref[:, pl.ds(kb * BLOCK_K, BLOCK_K)]
+                wt = w_ref[:, pl.ds(kb * BLOCK_K, BLOCK_K)]
+                part = jnp.dot(xt, wt.T, preferred_element_type=jnp.float32)
+                if x_blocks:
+                    part = part * x_scale_block(kb)[:, None]
+                if w_block:
+                    part = part * ws_ref[kb, :][None, :]
+                return acc + part
+            # MX weights: four 32-blocks per K step, each promoted with its own E8M0 scale.
+            part_sum = jnp.zeros_like(acc)
+            for q in range(BLOCK_K // MX_BLOCK):
+                k0 = kb * BLOCK_K + q * MX_BLOCK
+                xt = x_ref[:, pl.ds(k0, MX_BLOCK)]
+                if bits == 8:
+                    wt = w_ref[:, pl.ds(k0, MX_BLOCK)]
+                else:
+                    byte_col = kb * (BLOCK_K // 2) + (q // 2) * MX_BLOCK
+                    packed = w_ref[:, pl.ds(byte_col, MX_BLOCK)].astype(jnp.int32)
+                    codes = (packed >> 4) if q % 2 else (packed & 0xF)
+                    if bits == 6:
+                        high = hb_ref[:, pl.ds(kb * MX_BLOCK, MX_BLOCK)].astype(jnp.int32)
+                        codes = codes | (((high >> (2 * q)) & 3) << 4)
+                    wt = _mx_codes_to_e4m3(codes, w.fmt)
+                exps = ws_ref[:, kb * (BLOCK_K // MX_BLOCK) + q].astype(jnp.int32)
+                sw = jax.lax.bitcast_convert_type(jnp.clip(exps, 1, 254) << 23, jnp.float32)
+                sw = jnp.where(exps == 255, jnp.nan, jnp.where(exps == 0, 0.0, sw))
+                part_sum = part_sum + jnp.dot(xt, wt.T, preferred_element_type=jnp.float32) * sw[None, :]
+            if x_blocks:
+                part_sum = part_sum * x_scale_block(kb)[:, None]
+            return acc + part_sum
+
+        acc = jax.lax.fori_loop(0, k_iters, step, jnp.zeros((bm, bn), acc_type))
+        y = acc.astype(jnp.float32)
+        if not x_blocks:
+            y = y * xs_ref[...][:, None]
+        if w.layout == "channel":
+            y = y * ws_ref[...][None, :]
+        y = _epilogue(y, bias_ref[...] if has_bias else None, activation,
+                      res_ref[...] if has_res else None, gate_ref[...] if has_gate else None)
+        o_ref[...] = y.astype(o_ref.dtype)
+
+    grid = (pl.cdiv(m, bm), pl.cdiv(n, bn))
+    row_k = pl.BlockSpec((bm, k), lambda i, j: (i, 0))
+    dummy = jnp.zeros((1,), jnp.float32)
+    any_spec = pl.BlockSpec((1,), lambda i, j: (0,))
+    xs_spec = pl.BlockSpec((k_iters, bm), lambda i, j: (0, i)) if x_blocks else pl.BlockSpec((bm,), lambda i, j: (i,))
+    w_cols = w.data.shape[1]
+    w_spec = pl.BlockSpec((bn, w_cols), lambda i, j: (j, 0))
+    if w.layout == "channel":
+        ws_spec = pl.BlockSpec((bn,), lambda i, j: (j,))
+    elif w.layout == "block":
+        ws_spec = pl.BlockSpec((k_iters, bn), lambda i, j: (0, j))
+    else:
+        ws_spec = pl.BlockSpec((bn, w.scale.shape[1]), lambda i, j: (j, 0))
+    hb = w.high_bits if w.high_bits is not None else dummy
+    hb_spec = pl.BlockSpec((bn, hb.shape[1]), lambda i, j: (j, 0)) if w.high_bits is not None else any_spec
+    vec_n = pl.BlockSpec((bn,), lambda i, j: (j,))
+    tile = pl.BlockSpec((bm, bn), lambda i, j: (i, j))
+    return pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct((m, n), out_dtype),
+        grid=grid,
+        in_specs=[row_k, xs_spec, w_spec, ws_spec, hb_spec, vec_n if has_bias else any_spec,
+                  tile if has_res else any_spec, vec_n if has_gate else any_spec],
+        out_specs=tile,
+        compiler_params=pltriton.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
+        interpret=interpret,
+    )(x, x_scale, w.data, w.scale, hb, bias if has_bias else dummy, residual if has_res else dummy,
+      gate if has_gate else dummy)
+
+
+def _pow2_at_least(v: int) -> int:
+    return max(16, 1 << (v - 1).bit_length())
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# The public entry point
+
+
+def scaled_matmul(x: jax.Array, w: GemmWeight, x_scale: jax.Array | None = None, *, x_scaling: str = "token",
+                  bias: jax.Array | None = None, activation: str = "none", residual: jax.Array | None = None,
+                  gate: jax.Array | None = None, out_dtype=jnp.bfloat16, backend: str = "mosaic",
+                  config: MosaicConfig | TritonConfig | None = None, interpret: bool = False) -> jax.Array:
+    """`epilogue(x @ w^T)` with low-precision operands.
+
+    Args:
+        x: (m, k) float (quantized here, `x_scaling` "token" or "block") or already-quantized values with `x_scale`
+            from `quantize_activations`.
+        w: `prepare_weight(...)` for this backend.
+        bias, gate: (n,); residual: (m, n). The output is `residual + gate * activation(x @ w^T + bias)`.
+        backend: "mosaic" (Hopper), "triton" (portable) or "reference".
+        interpret: run the Pallas kernel in interpret mode (CPU tests).
+    Returns:
+        (m, n) `out_dtype`.
+    """
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
+    int8 = FORMATS[w.fmt].kind == "int8"
+    if x_scale is None:
+        x, x_scale = quantize_activations(x, "token" if int8 else x_scaling, w.fmt if int8 else "fp8_e4m3")
+    m = x.shape[0]
+    if x.shape[1] != w.k:
+        raise ValueError(f"scaled_matmul: x has {x.shape[1]} columns (padded), the weight {w.k}")
+    if int8 != (jnp.dtype(x.dtype) == jnp.int8):
+        raise ValueError(f"scaled_matmul: {w.fmt} weights need {'INT8' if int8 else 'FP8'} activations, got {x.dtype}")
+    if backend == "reference":
+        return scaled_matmul_reference(x, x_scale, w, bias=bias, activation=activation, residual=residual, gate=gate,
+                                       out_dtype=out_dtype)
+    if backend == "triton":
+        config = config or default_triton_config(m, w.n, w.k, w.fmt)
+        return _triton_gemm(x, x_scale, w, bias, residual, gate, activation=activation, out_dtype=out_dtype,
+                            config=config, interpret=interpret)
+    if backend != "mosaic":
+        raise ValueError(f"backend must be 'mosaic', 'triton' or 'reference', got {backend!r}")
+    if int8 or w.layout == "mx":
+        raise ValueError(f"the Mosaic GPU kernel takes FP8 operands (wgmma has no INT8 here); {w.fmt} in layout "
+                         f"{w.layout!r} runs on backend='triton'")
+    block_scaled = x_scale.ndim == 2 or w.layout == "block"
+    ws = w.scale
+    if block_scaled:
+        x_scale = x_scale if x_scale.ndim == 2 else jnp.broadcast_to(x_scale, (w.k // BLOCK_K, m))
+        ws = ws if w.layout == "block" else jnp.broadcast_to(ws, (w.k // BLOCK_K, w.n))
+    config = config or default_mosaic_config(m, w.n, w.k, block_scaled)
+    # The kernel takes whole tiles: pad rows and columns (cheap next to the product for DiT shapes, which need none).
+    cta_m, tn = 2 * config.tile_m, config.tile_n
+    pm, pn = (-m) % cta_m, (-w.n) % tn
+    data = w.data
+    if pm:
+        x = jnp.pad(x, ((0, pm), (0, 0)))
+        x_scale = jnp.pad(x_scale, ((0, 0), (0, pm)) if x_scale.ndim == 2 else ((0, pm),), constant_values=1.0)
+        residual = None if residual is None else jnp.pad(residual, ((0, pm), (0, 0)))
+    if pn:
+        data = jnp.pad(data, ((0, pn), (0, 0)))
+        ws = jnp.pad(ws, ((0, 0), (0, pn)) if ws.ndim == 2 else ((0, pn),), constant_values=1.0)
+        bias = None if bias is None else jnp.pad(bias, (0, pn))
+        gate = None if gate is None else jnp.pad(gate, (0, pn))
+        residual = None if residual is None else jnp.pad(residual, ((0, 0), (0, pn)))
+    y = _mosaic_gemm(x, x_scale.astype(jnp.float32), data, ws.astype(jnp.float32), bias, residual, gate,
+                     block_scaled=block_scaled, activation=activation, out_dtype=out_dtype, config=config,
+                     interpret=interpret)
+    return y[:m, : w.n]

@@ -1,0 +1,114 @@
+"""The block-scaled GEMM kernels (Mosaic GPU and Triton lowering, in Pallas interpret mode on the CPU) against the
+plain-jnp definition, on shapes that are not multiples of the tiles."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from mxdit.pallas_kernels import gemm
+from mxdit.quant import quantize
+
+from conftest import relative_l2
+
+M, K, N = 130, 200, 72  # K pads to 256; M and N are not multiples of any tile
+SMALL_MOSAIC = gemm.MosaicConfig(tile_m=64, tile_n=64, max_concurrent_steps=2)
+SMALL_TRITON = gemm.TritonConfig(block_m=64, block_n=64, num_warps=4, num_stages=2)
+
+
+def _operands(seed=0, m=M, k=K, n=N):
+    kx, kw = jax.random.split(jax.random.key(seed))
+    x = jax.random.normal(kx, (m, k), jnp.float32)
+    w = jax.random.normal(kw, (n, k), jnp.float32) * k**-0.5
+    return x, w
+
+
+def _run(backend, x, w_prepared, scaling, **epilogue):
+    config = SMALL_MOSAIC if backend == "mosaic" else SMALL_TRITON
+    fmt = w_prepared.fmt if w_prepared.fmt.startswith("int8") else "fp8_e4m3"
+    xq, xs = gemm.quantize_activations(x, scaling, fmt)
+    y = gemm.scaled_matmul(xq, w_prepared, xs, backend=backend, config=config, interpret=True, out_dtype=jnp.float32,
+                           **epilogue)
+    ref = gemm.scaled_matmul_reference(xq, xs, w_prepared, out_dtype=jnp.float32, **epilogue)
+    return np.asarray(y), np.asarray(ref)
+
+
+@pytest.mark.parametrize("scaling", ["token", "block"])
+@pytest.mark.parametrize("fmt", ["fp8_e4m3", "mxfp6_e2m3", "mxfp4_e2m1"])
+def test_mosaic_kernel_matches_the_definition(fmt, scaling):
+    x, w = _operands()
+    y, ref = _run("mosaic", x, gemm.prepare_weight(w, fmt, backend="mosaic"), scaling)
+    assert y.shape == (M, N)
+    assert relative_l2(y, ref) < 1e-6
+
+
+@pytest.mark.parametrize("fmt,scaling", [("fp8_e4m3", "token"), ("fp8_e4m3", "block"), ("mxfp8_e4m3", "token"),
+                                         ("mxfp6_e2m3", "block"), ("mxfp6_e3m2", "token"), ("mxfp4_e2m1", "token"),
+                                         ("int8", "token"), ("int8_rot", "token")])
+def test_triton_kernel_matches_the_definition_for_every_weight_format(fmt, scaling):
+    x, w = _operands(1)
+    y, ref = _run("triton", x, gemm.prepare_weight(w, fmt, backend="triton"), scaling)
+    assert relative_l2(y, ref) < 1e-6
+    # ...and the definition is the product of the operands up to their quantization error (2 or 1 mantissa bits
+    # for E3M2 and E2M1 weights, 3 or more for the rest).
+    assert relative_l2(y, x @ w.T) < {"mxfp6_e3m2": 0.08, "mxfp4_e2m1": 0.15}.get(fmt, 0.04)
+
+
+@pytest.mark.parametrize("backend", ["mosaic", "triton"])
+def test_fused_epilogue_is_residual_plus_gate_times_activation(backend):
+    x, w = _operands(2)
+    kb, kg, kr = jax.random.split(jax.random.key(3), 3)
+    epilogue = dict(bias=jax.random.normal(kb, (N,)), gate=jax.random.normal(kg, (N,)), activation="gelu_tanh",
+                    residual=jax.random.normal(kr, (M, N)))
+    y, ref = _run(backend, x, gemm.prepare_weight(w, "fp8_e4m3", backend=backend), "block", **epilogue)
+    assert relative_l2(y, ref) < 1e-6
+    plain, _ = _run(backend, x, gemm.prepare_weight(w, "fp8_e4m3", backend=backend), "block")
+    expected = epilogue["residual"] + epilogue["gate"] * jax.nn.gelu(plain + epilogue["bias"], approximate=True)
+    assert relative_l2(y, expected) < 1e-6
+
+
+def test_fast_activation_quantizer_gives_the_bits_of_quant_formats():
+    x, _ = _operands(4, k=384)
+    x = x * jnp.exp(3 * jax.random.normal(jax.random.key(5), x.shape))  # a wide dynamic range
+    x = x.at[3].set(0.0).at[5, 7].set(1e-30)
+    values, scales = gemm.quantize_activations(x, "token")
+    q = quantize(x, "fp8_e4m3")
+    np.testing.assert_array_equal(np.asarray(values).view(np.uint8), np.asarray(q.data).view(np.uint8))
+    np.testing.assert_array_equal(scales, q.scale[:, 0])
+    values, scales = gemm.quantize_activations(x, "block")
+    q = quantize(x.reshape(M, 3, 128), "fp8_e4m3")
+    np.testing.assert_array_equal(np.asarray(values).view(np.uint8), np.asarray(q.data).reshape(M, 384).view(np.uint8))
+    np.testing.assert_array_equal(scales, q.scale[..., 0].T)
+
+
+@pytest.mark.parametrize("fmt", ["mxfp6_e2m3", "mxfp6_e3m2", "mxfp4_e2m1"])
+def test_folding_mx_weights_to_fp8_is_exact_for_ordinary_weights(fmt):
+    _, w = _operands(6)
+    assert gemm.fold_mx_error(quantize(w, fmt)) == 0.0
+
+
+def test_folding_reports_the_error_when_block_scales_spread_too_far():
+    _, w = _operands(7, k=128)
+    w = w.at[:, 32:64].multiply(2.0**-20)  # one 32-block 2^20 below its neighbours: its small values fall off E4M3
+    error = gemm.fold_mx_error(quantize(w, "mxfp4_e2m1"))
+    assert 0.0 < error < 1e-6  # lost values are 2^-20 of the block's largest
+
+
+@pytest.mark.parametrize("fmt", ["mxfp8_e4m3", "mxfp6_e2m3", "mxfp6_e3m2", "mxfp4_e2m1"])
+def test_kernel_packing_of_mx_codes_keeps_every_value(fmt):
+    _, w = _operands(8)
+    q = quantize(w, fmt)
+    packed = gemm.prepare_weight(q, backend="triton")
+    np.testing.assert_array_equal(gemm.dequantize_weight(packed)[:, :K], q.dequantize(jnp.float32))
+
+
+def test_bad_operands_are_named_in_the_error():
+    x, w = _operands()
+    with pytest.raises(ValueError, match="nvfp4"):
+        gemm.prepare_weight(w, "nvfp4")
+    with pytest.raises(ValueError, match="columns"):
+        gemm.scaled_matmul(x[:, :100], gemm.prepare_weight(w, "fp8_e4m3"), backend="reference")
+    with pytest.raises(ValueError, match="backend='triton'"):
+        gemm.scaled_matmul(x, gemm.prepare_weight(w, "int8"), backend="mosaic")
+    with pytest.raises(ValueError, match="activation"):
+        gemm.scaled_matmul(x, gemm.prepare_weight(w, "fp8_e4m3"), activation="relu6", backend="reference")
