@@ -321,7 +321,7 @@ def default_mosaic_config(m: int, n: int, k: int, block_scaled: bool) -> MosaicC
     """The tiles the benchmark picked for this kind of shape on an H200 (see pallas_kernels/NOTES.md)."""
     if block_scaled:
         # Promotion keeps a partial and a total accumulator in registers: 64 x 128 per warpgroup leaves room for both.
-        return MosaicConfig(tile_m=64, tile_n=128, max_concurrent_steps=5)
+        return MosaicConfig(tile_m=64, tile_n=128, max_concurrent_steps=4)
     return MosaicConfig(tile_m=128, tile_n=128, max_concurrent_steps=3)
 
 
@@ -496,7 +496,7 @@ class TritonConfig:
 def default_triton_config(m: int, n: int, k: int, fmt: str) -> TritonConfig:
     """Tiles by operand kind: MX unpacking needs registers, so its tiles are narrower."""
     if FORMATS[fmt].kind == "mx":
-        return TritonConfig(block_m=128, block_n=64, num_warps=4, num_stages=3)
+        return TritonConfig(block_m=64, block_n=128, num_warps=4, num_stages=2)
     return TritonConfig()
 
 
