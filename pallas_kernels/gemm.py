@@ -315,6 +315,9 @@ class MosaicConfig:
     epi_tile_n: int = 64
     grid_minor_n: bool = True
     grid_tile_width: int = 8
+    # Block scales: promote K block k-1 while the tensor cores compute block k (one more accumulator in registers),
+    # instead of waiting for each block's product before promoting it.
+    overlap_promotion: bool = True
 
 
 def default_mosaic_config(m: int, n: int, k: int, block_scaled: bool) -> MosaicConfig:
@@ -383,18 +386,30 @@ def _mosaic_gemm(x, x_scale, w_data, w_scale, bias, residual, gate, *, block_sca
                     plgpu.wgmma(acc_ref, x_smem.at[wg_rows], w_smem.transpose((1, 0)))
                     plgpu.wgmma_wait(0)
                     return acc_ref
-                xs_smem, ws_smem, acc = rest
-
-                def block_product(ref):
-                    plgpu.wgmma(ref, x_smem.at[wg_rows], w_smem.transpose((1, 0)))
-                    plgpu.wgmma_wait(0)
-                    return ref[...]
-
-                partial = pl.run_scoped(block_product, plgpu.ACC((tm, tn), jnp.float32))
+                xs_smem, ws_smem, carry = rest
                 sx = plgpu.load(xs_smem.at[0, wg_rows], layout=wgmma.reduce(1))
                 sw = plgpu.load(ws_smem.at[0], layout=wgmma.reduce(0))
-                scale = lax.broadcast_in_dim(sx, (tm, tn), [0]) * lax.broadcast_in_dim(sw, (tm, tn), [1])
-                return acc + partial * scale
+                if not config.overlap_promotion:
+                    def block_product(ref):
+                        plgpu.wgmma(ref, x_smem.at[wg_rows], w_smem.transpose((1, 0)))
+                        plgpu.wgmma_wait(0)
+                        return ref[...]
+
+                    partial = pl.run_scoped(block_product, plgpu.ACC((tm, tn), jnp.float32))
+                    return promote(carry, partial, sx, sw)
+                acc, previous, sx_prev, sw_prev = carry
+
+                def block_product_overlapped(ref):
+                    plgpu.wgmma(ref, x_smem.at[wg_rows], w_smem.transpose((1, 0)))
+                    acc_next = promote(acc, previous, sx_prev, sw_prev)  # runs while the wgmma does
+                    plgpu.wgmma_wait(0)
+                    return acc_next, ref[...]
+
+                acc, partial = pl.run_scoped(block_product_overlapped, plgpu.ACC((tm, tn), jnp.float32))
+                return acc, partial, sx, sw
+
+            def promote(acc, partial, sx, sw):
+                return acc + partial * (lax.broadcast_in_dim(sx, (tm, tn), [0]) * lax.broadcast_in_dim(sw, (tm, tn), [1]))
 
             def compute_context(run):
                 # The epilogue's vectors are fetched while the main loop runs.
@@ -403,7 +418,14 @@ def _mosaic_gemm(x, x_scale, w_data, w_scale, bias, residual, gate, *, block_sca
                 for i, name in enumerate(col_vectors):
                     plgpu.copy_gmem_to_smem(col_gmem[name].at[cols], col_smem.at[wg, i], barrier(2 + i))
                 if block_scaled:
-                    acc = run(plgpu.layout_cast(jnp.zeros((tm, tn), jnp.float32), wgmma))
+                    zeros = plgpu.layout_cast(jnp.zeros((tm, tn), jnp.float32), wgmma)
+                    if config.overlap_promotion:
+                        no_scale_rows = plgpu.layout_cast(jnp.zeros((tm,), jnp.float32), wgmma.reduce(1))
+                        no_scale_cols = plgpu.layout_cast(jnp.zeros((tn,), jnp.float32), wgmma.reduce(0))
+                        acc, last, sx_last, sw_last = run((zeros, zeros, no_scale_rows, no_scale_cols))
+                        acc = promote(acc, last, sx_last, sw_last)
+                    else:
+                        acc = run(zeros)
                 else:
                     def scoped(acc_ref):
                         run(acc_ref)
