@@ -23,13 +23,14 @@ def shard_activation(x: jax.Array, *axes: str | None) -> jax.Array:
     """A named sharding constraint: `axes` names each dimension of x logically ("batch", "sequence") or None.
 
     sharding/ maps the names to mesh axes (`nnx.logical_axis_rules`) and sets the mesh (`jax.set_mesh`) while it
-    traces a multi-device step; without both this returns x unchanged. The constraints pin the layout where XLA's
-    propagation could otherwise pick a costly one.
+    traces a multi-device step; without both this returns x unchanged, and a name without a rule leaves its
+    dimension to XLA. The constraints pin the layout where XLA's propagation could otherwise pick a costly one.
     """
     rules = dict(get_logical_axis_rules())
     if not rules or jax.sharding.get_abstract_mesh().empty:
         return x
-    return jax.lax.with_sharding_constraint(x, jax.sharding.PartitionSpec(*(rules.get(a) if a else None for a in axes)))
+    spec = jax.sharding.PartitionSpec
+    return jax.lax.with_sharding_constraint(x, spec(*(rules.get(a, spec.UNCONSTRAINED) if a else None for a in axes)))
 
 
 class Linear(nnx.Module):
