@@ -75,9 +75,10 @@ def ulysses_attention(q: jax.Array, k: jax.Array, v: jax.Array, kv_lengths: jax.
 def _ulysses_local(q, k, v, kv_lengths, *, degree: int, implementation: str):
     batch, block, heads, dim = q.shape
     kv_heads = k.shape[2]
-    # Each device must end up with whole KV heads for its query heads: repeat them locally up to a multiple of the
-    # degree (query head h reads KV head h // (heads // kv_heads) before and after the repeat, since the repeat
-    # count divides heads // kv_heads' multiple: heads is a multiple of lcm(kv_heads, degree)).
+    # Each device must end up with whole KV heads for its query heads: repeat each KV head r times locally, r =
+    # lcm(kv_heads, degree) / kv_heads, so that the degree divides the count. GQA still pairs the same heads: query
+    # head h read KV head h // g (g = heads / kv_heads) and now reads repeat h // (g / r), a copy of KV head h // g
+    # (heads is a multiple of both kv_heads and degree, so of their lcm, and g / r is an integer).
     split_kv = math.lcm(kv_heads, degree)
     if split_kv != kv_heads:
         k, v = (jnp.repeat(x, split_kv // kv_heads, axis=2) for x in (k, v))

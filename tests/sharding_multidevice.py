@@ -32,7 +32,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from conftest import relative_l2
 from mxdit.model.krea2 import Krea2Config, Krea2Transformer
 from mxdit.model.pipeline_krea2 import demo_pipeline, denoise_step
-from mxdit.sharding.attention import ring_attention, ulysses_attention
+from mxdit.sharding.attention import SequenceParallelAttention, ring_attention, ulysses_attention
 from mxdit.sharding.krea2 import krea2_denoise_step, shard_krea2_pipeline
 from mxdit.sharding.mesh import BATCH_AXES, activation_rules, batch_sharding, make_mesh, param_shardings
 
@@ -152,11 +152,15 @@ def test_ulysses_and_ring_attention_equal_unsharded_with_key_lengths(degree):
             assert error <= TOLERANCE
 
 
-def test_ulysses_refuses_heads_not_divisible_by_the_degree():
+def test_bad_degrees_are_refused_or_fall_back_to_ring(model):
     q = jnp.zeros((1, 16, 6, 8))
     k = jnp.zeros((1, 16, 2, 8))
     with pytest.raises(ValueError, match="6 query heads divisible by the mesh's seq=4; use ring"):
         ulysses_attention(q, k, k, None, mesh=make_mesh("seq=4"))
+    assert SequenceParallelAttention(make_mesh("seq=4")).method_for(6) == "ring"
+    assert SequenceParallelAttention(make_mesh("seq=4")).method_for(8) == "ulysses"
+    with pytest.raises(ValueError, match="mesh tensor=2: tensor parallelism is not implemented"):
+        krea2_denoise_step(model, make_mesh("tensor=2"))
     k = jnp.zeros((1, 12, 2, 8))
     with pytest.raises(ValueError, match="sequence length 12 is not divisible by the mesh's seq=8"):
         ring_attention(jnp.zeros((1, 12, 8, 8)), k, k, None, mesh=make_mesh("seq=8"))
