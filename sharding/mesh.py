@@ -84,11 +84,12 @@ def make_mesh(sizes: Mapping[str, int] | str = "", devices: Sequence[jax.Device]
 
 
 def describe(mesh: Mesh) -> str:
-    """"data=2,seq=4" for the axes above size 1."""
+    """The axes above size 1 as mesh text, e.g. "data=2,seq=4"."""
     return ",".join(f"{n}={s}" for n, s in mesh.shape.items() if s > 1) or "1 device"
 
 
-def batch_degree(mesh: Mesh, axes: Sequence[str] = BATCH_AXES) -> int:
+def axes_size(mesh: Mesh, axes: Sequence[str]) -> int:
+    """The number of devices across `axes` of `mesh`: the product of their sizes."""
     return math.prod(mesh.shape[a] for a in axes)
 
 
@@ -115,7 +116,7 @@ def param_shardings(state, mesh: Mesh, axes: Sequence[str] = ("fsdp",)):
     """NamedShardings for a pytree of parameters (an `nnx.State`, a dict of arrays): each array split over the mesh
     `axes` by `param_spec`, replicated over the others. `axes=()` replicates everything."""
     axes = tuple(axes)
-    degree = batch_degree(mesh, axes)
+    degree = axes_size(mesh, axes)
     return jax.tree.map(lambda x: NamedSharding(mesh, param_spec(np.shape(x), degree, axes)), state)
 
 
@@ -148,7 +149,7 @@ def batch_sharding(mesh: Mesh, ndim: int, axes: Sequence[str] = BATCH_AXES) -> N
 
 def check_batch(batch: int, mesh: Mesh, axes: Sequence[str] = BATCH_AXES, what: str = "batch") -> None:
     """Raise a ValueError naming the mesh unless `batch` splits evenly over the mesh `axes`."""
-    degree = batch_degree(mesh, axes)
+    degree = axes_size(mesh, axes)
     if batch % degree:
         sizes = "*".join(f"{a}={mesh.shape[a]}" for a in axes if mesh.shape[a] > 1)
         raise ValueError(f"mesh {describe(mesh)}: {what} of {batch} does not split over {sizes} = {degree} devices")
