@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 from pathlib import Path
 from typing import Literal
 
@@ -21,10 +22,13 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from .layers import Linear, apply_rotary, attention_implementation, rotary_tables
+from .layers import Linear, apply_rotary, attention_implementation, rotary_tables, shard_activation
 from .loading import CheckpointError, config_from_dict, load_state, open_checkpoint, read_json
 
 AttentionImpl = Literal["xla", "cudnn"]
+# An attention function (q, k, v, kv_lengths) -> out in place of a kernel name, e.g. sharding/'s sequence-parallel
+# attention: q (batch, seq, heads, head_dim), k and v (batch, seq, kv_heads, head_dim), out shaped as q.
+AttentionFn = Callable[[jax.Array, jax.Array, jax.Array, jax.Array | None], jax.Array]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,10 +112,11 @@ class Attention(nnx.Module):
         x: jax.Array,
         rotary: tuple[jax.Array, jax.Array] | None = None,
         kv_lengths: jax.Array | None = None,
-        implementation: AttentionImpl = "xla",
+        implementation: AttentionImpl | AttentionFn = "xla",
     ) -> jax.Array:
         """x: (batch, seq, dim). `kv_lengths` (batch,) int32: only the first kv_lengths[b] tokens are attended to as
-        keys (the caller orders padded tokens last). Returns (batch, seq, dim)."""
+        keys (the caller orders padded tokens last). `implementation`: a kernel name or an `AttentionFn`. Returns
+        (batch, seq, dim)."""
         batch, seq, _ = x.shape
         q = self.norm_q(self.to_q(x).reshape(batch, seq, self.num_heads, self.head_dim))
         k = self.norm_k(self.to_k(x).reshape(batch, seq, self.num_kv_heads, self.head_dim))
@@ -120,7 +125,10 @@ class Attention(nnx.Module):
             q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
         # GQA without repeating K/V: query head n reads KV head n // (num_heads // num_kv_heads), which is what
         # diffusers' repeat_interleave of the KV heads computes.
-        out = jax.nn.dot_product_attention(q, k, v, key_value_seq_lengths=kv_lengths, implementation=implementation)
+        if callable(implementation):
+            out = implementation(q, k, v, kv_lengths)
+        else:
+            out = jax.nn.dot_product_attention(q, k, v, key_value_seq_lengths=kv_lengths, implementation=implementation)
         out = out.reshape(batch, seq, -1) * jax.nn.sigmoid(self.to_gate(x))
         return self.to_out[0](out)
 
@@ -189,7 +197,7 @@ class TransformerBlock(nnx.Module):
         self.attn = Attention(dim, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.norm_eps, dtype=dtype, rngs=rngs)
         self.ff = SwiGLU(dim, cfg.intermediate_size, dtype=dtype, rngs=rngs)
 
-    def __call__(self, x, temb_mod, rotary, kv_lengths, implementation: AttentionImpl):
+    def __call__(self, x, temb_mod, rotary, kv_lengths, implementation: AttentionImpl | AttentionFn):
         """x: (batch, seq, dim); temb_mod: (batch, 1, 6 * dim)."""
         batch = temb_mod.shape[0]
         mod = temb_mod.reshape(batch, 1, 6, -1) + self.scale_shift_table[...]
@@ -254,7 +262,9 @@ class Krea2Transformer(nnx.Module):
     computed in `dtype`, normalisation and rotary embedding in float32.
 
     `attention` picks the attention kernel: "xla" (any device and dtype) or "cudnn" (GPU, bfloat16/float16); None
-    chooses cuDNN on a GPU for 16-bit dtypes and XLA otherwise.
+    chooses cuDNN on a GPU for 16-bit dtypes and XLA otherwise. `joint_attention` (default None: `attention`) is an
+    `AttentionFn` that replaces the kernel in the joint blocks, where the long sequence is: sharding/ sets it to a
+    sequence-parallel attention. The text-fusion blocks keep `attention`.
     """
 
     def __init__(
@@ -268,6 +278,7 @@ class Krea2Transformer(nnx.Module):
         cfg = self.config = config
         self.dtype = jnp.dtype(dtype)
         self.attention = attention_implementation(attention, self.dtype)
+        self.joint_attention: AttentionFn | None = None
         dim = cfg.hidden_size
         self.img_in = Linear(cfg.in_channels, dim, bias=True, dtype=dtype, rngs=rngs)
         self.time_embed = TimestepEmbedding(cfg.timestep_embed_dim, dim, dtype=dtype, rngs=rngs)
@@ -319,6 +330,7 @@ class Krea2Transformer(nnx.Module):
         if encoder_attention_mask is not None:
             mask = encoder_attention_mask.astype(bool)
             order = jnp.argsort(~mask, axis=1, stable=True)  # real tokens first, each group in its original order
+            order = shard_activation(order, "batch", None)  # on a mesh: each sequence sorted whole, on its devices
             encoder_hidden_states = jnp.take_along_axis(encoder_hidden_states, order[:, :, None, None], axis=1)
             text_pos = jnp.take(text_pos, order, axis=0)  # (batch, text_len, 3)
             image_pos = jnp.broadcast_to(image_pos, (batch, *image_pos.shape))
@@ -329,14 +341,23 @@ class Krea2Transformer(nnx.Module):
         temb_mod = self.time_mod_proj(jax.nn.gelu(temb, approximate=True))
 
         text = self.text_fusion(encoder_hidden_states, text_kv_lengths, self.attention)
+        # On a mesh, the text stage runs whole on each device of a sequence group and the joint blocks on a split
+        # sequence. The joint sequence is concatenated whole, then split: a local slice. (A concatenation straight
+        # into a split sequence makes XLA's partitioner exchange data.)
         text = self.txt_in(text)
-        x = jnp.concatenate([self.img_in(hidden_states), text], axis=1)
-        rotary = rotary_tables(
-            jnp.concatenate([image_pos, text_pos], axis=-2), self.config.axes_dims_rope, self.config.rope_theta
-        )
+        x = shard_activation(jnp.concatenate([self.img_in(hidden_states), text], axis=1), "batch", None, None)
+        x = shard_activation(x, "batch", "sequence", None)
+        positions = jnp.concatenate([image_pos, text_pos], axis=-2)
+        batched = ("batch",) if positions.ndim == 3 else ()
+        positions = shard_activation(shard_activation(positions, *batched, None, None), *batched, "sequence", None)
+        rotary = rotary_tables(positions, self.config.axes_dims_rope, self.config.rope_theta)
+        joint_attention = self.attention if self.joint_attention is None else self.joint_attention
         for block in self.transformer_blocks:
-            x = block(x, temb_mod, rotary, joint_kv_lengths, self.attention)
-        return self.final_layer(x[:, :image_len], temb)
+            x = block(x, temb_mod, rotary, joint_kv_lengths, joint_attention)
+            x = shard_activation(x, "batch", "sequence", None)
+        # The final layer acts per token: applied before the slice, it keeps a split sequence split up to the small
+        # (batch, seq, in_channels) output.
+        return self.final_layer(x, temb)[:, :image_len]
 
     # ----------------------------------------------------------------------------------------------------------------
     # Loading

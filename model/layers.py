@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from flax.core.spmd import get_logical_axis_rules
 
 
 def attention_implementation(requested: str | None, dtype) -> str:
@@ -16,6 +17,20 @@ def attention_implementation(requested: str | None, dtype) -> str:
     if requested not in ("xla", "cudnn"):
         raise ValueError(f"attention must be 'xla' or 'cudnn', got {requested!r}")
     return requested
+
+
+def shard_activation(x: jax.Array, *axes: str | None) -> jax.Array:
+    """A named sharding constraint: `axes` names each dimension of x logically ("batch", "sequence") or None.
+
+    sharding/ maps the names to mesh axes (`nnx.logical_axis_rules`) and sets the mesh (`jax.set_mesh`) while it
+    traces a multi-device step; without both this returns x unchanged, and a name without a rule leaves its
+    dimension to XLA. The constraints pin the layout where XLA's propagation could otherwise pick a costly one.
+    """
+    rules = dict(get_logical_axis_rules())
+    if not rules or jax.sharding.get_abstract_mesh().empty:
+        return x
+    spec = jax.sharding.PartitionSpec
+    return jax.lax.with_sharding_constraint(x, spec(*(rules.get(a, spec.UNCONSTRAINED) if a else None for a in axes)))
 
 
 class Linear(nnx.Module):

@@ -71,6 +71,9 @@ class Krea2Pipeline:
         self.transformer, self.vae, self.text_encoder, self.tokenizer = transformer, vae, text_encoder, tokenizer
         self.config = config
         self.vae_scale_factor = vae.config.spatial_compression
+        # `denoise_step` without its model argument, run on several devices (mxdit.sharding.shard_krea2_pipeline sets
+        # it); None: `denoise_step` on the transformer, on its device.
+        self.denoise_step_fn: Callable | None = None
 
     # -- loading -------------------------------------------------------------------------------------------------------
 
@@ -183,7 +186,8 @@ class Krea2Pipeline:
         ids = jnp.asarray(np.concatenate([np.zeros((embeds.shape[1], 3), np.float32), image_position_ids(grid_h, grid_w)]))
 
         t0 = time.perf_counter()
-        step = nnx.cached_partial(_denoise_step, self.transformer)  # traverse the model's graph once, not per step
+        # cached_partial: traverse the model's graph once, not per step
+        step = self.denoise_step_fn or nnx.cached_partial(denoise_step, self.transformer)
         for i in range(steps):
             t = np.float32(timesteps[i]) / np.float32(NUM_TRAIN_TIMESTEPS)
             latents = step(latents, embeds, mask, ids, jnp.float32(t), jnp.float32(sigmas[i]),
@@ -210,9 +214,13 @@ def _encode_text(encoder: Qwen3VLTextEncoder, ids, mask, positions, layers):
 
 
 @nnx.jit(static_argnames=("cfg",))
-def _denoise_step(model: Krea2Transformer, latents, embeds, mask, ids, t, sigma, sigma_next, guidance, cfg: bool):
+def denoise_step(model: Krea2Transformer, latents, embeds, mask, ids, t, sigma, sigma_next, guidance, cfg: bool):
     """One Euler step; with CFG the batch of embeds holds [conditional; unconditional]. Compiled once per shape: the
-    step's time and sigmas are traced values."""
+    step's time and sigmas are traced values.
+
+    latents: (batch, image_len, in_channels) float32; embeds: ((2 if cfg else 1) * batch, text_len, num_text_layers,
+    text_dim); mask: (same batch, text_len) bool; ids: (text_len + image_len, 3); t, sigma, sigma_next, guidance:
+    float32 scalars. Returns the next latents, (batch, image_len, in_channels) float32."""
     batch = latents.shape[0]
     x = jnp.concatenate([latents, latents]) if cfg else latents
     velocity = model(x.astype(model.dtype), embeds, jnp.full((x.shape[0],), t, jnp.float32), ids, mask)

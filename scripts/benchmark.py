@@ -6,6 +6,7 @@
     python scripts/benchmark.py krea2-pipeline                  # Turbo 8 steps end to end, warm and cold
     python scripts/benchmark.py flux-step                       # FLUX.1-dev, one step at 1024x1024
     python scripts/benchmark.py gemm                            # block-scaled GEMM kernels vs XLA and torch
+    python scripts/benchmark.py krea2-sharded-step --meshes seq=8 cfg=2,seq=4 --guidance   # all GPUs, per mesh
 
 Weights are random (bf16); the shapes are the released model's: 4096 image tokens (1024x1024), 512 text tokens of
 which 120 are real (the padding mask). JAX is timed with many steps inside one jitted program (`lax.fori_loop`),
@@ -782,6 +783,66 @@ def flux_step(args) -> None:
         Path(args.json).write_text(json.dumps(rows, indent=1))
 
 
+def krea2_sharded_step(args) -> None:
+    """The Krea 2 denoising step of the pipeline on each mesh (sharding/krea2.py), a dispatch per step."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from mxdit.model.krea2 import Krea2Config, Krea2Transformer
+    from mxdit.sharding.krea2 import krea2_denoise_step
+    from mxdit.sharding.mesh import make_mesh
+
+    if args.tiny:  # the demo pipeline's transformer, float32: a CPU smoke run of this command
+        cfg = Krea2Config(in_channels=64, num_layers=4, attention_head_dim=32, num_attention_heads=8,
+                          num_key_value_heads=2, intermediate_size=512, timestep_embed_dim=64, text_hidden_dim=64,
+                          num_text_layers=4, text_num_attention_heads=4, text_num_key_value_heads=4,
+                          text_intermediate_size=128, axes_dims_rope=(8, 12, 12))
+    else:
+        cfg = _config(args)
+    dtype = jnp.float32 if args.tiny else jnp.bfloat16
+    model = Krea2Transformer(cfg, dtype=dtype, rngs=nnx.Rngs(0))
+    latents, text, _, ids, mask = _krea2_inputs(cfg, args.height, args.width, args.text_len, args.valid_text,
+                                                batch=args.batch)
+    if args.guidance:  # Base: [conditional; unconditional] in one batch
+        text, mask = np.concatenate([text, text]), np.concatenate([mask, mask])
+    text, latents = jnp.asarray(text, dtype), jnp.asarray(latents)
+    mask, ids = jnp.asarray(mask), jnp.asarray(ids)
+    flops = _step_flops(cfg, latents.shape[1], text.shape[1]) * text.shape[0]
+    rows = []
+    for mesh_text in args.meshes:
+        row = {"name": f"jax {jnp.dtype(dtype).name}, mesh {mesh_text or '1 device'}, {args.method or 'auto'}"}
+        try:
+            step = krea2_denoise_step(model, make_mesh(mesh_text), method=args.method)
+
+            def run(n, x=latents):
+                for i in range(n):  # sigma 1 -> 0.999: the latents stay in range over many steps
+                    x = step(x, text, mask, ids, jnp.float32(0.7 - 1e-4 * i), jnp.float32(1.0),
+                             jnp.float32(0.999), jnp.float32(4.5), args.guidance)
+                return jax.block_until_ready(x)
+
+            t0 = time.perf_counter()
+            run(1)
+            row["compile_s"] = time.perf_counter() - t0
+            times = []
+            for _ in range(args.repeats):
+                t0 = time.perf_counter()
+                run(args.iters)
+                times.append((time.perf_counter() - t0) / args.iters)
+            row["s_per_step"] = statistics.median(times)
+            row["tflops"] = flops / row["s_per_step"] / 1e12
+            row["peak_gb"] = max((d.memory_stats() or {}).get("peak_bytes_in_use", 0) for d in jax.devices()) / 1e9
+        except Exception as e:  # record and go on with the other meshes
+            row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    _table(rows, f"Krea 2 step on {jax.device_count()} {jax.devices()[0].platform} devices, {args.height}x{args.width}, "
+                 f"batch {args.batch}{' with CFG' if args.guidance else ''}, text {args.text_len} ({args.valid_text} "
+                 "real); TFLOP/s summed over devices, peak GB of the fullest device")
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
+
+
 def krea2_step(args) -> None:
     rows = _subprocess_rows(args, "krea2-step-diffusers", _forwarded(args)) if args.diffusers else []
     rows += jax_krea2_step(args)
@@ -871,6 +932,21 @@ def main(argv=None) -> None:
     p.add_argument("--int8-configs", nargs="+", type=lambda c: tuple(map(int, c.split(","))),
                    default=[(64, 64, 4, 2), (128, 64, 8, 2), (128, 128, 8, 2)], help="block_q,block_k,warps,stages")
     p.add_argument("--iters", type=int, default=10)
+    p = sub.add_parser("krea2-sharded-step")
+    p.add_argument("--meshes", nargs="+", default=["", "seq=2", "seq=4", "seq=8"],
+                   help='mesh texts as for generate.py --mesh ("" is one device)')
+    p.add_argument("--method", choices=["ulysses", "ring"], default=None, help="sequence-parallel attention")
+    p.add_argument("--guidance", action="store_true", help="CFG (Base): conditional and unconditional in one batch")
+    p.add_argument("--batch", type=int, default=1, help="images per step")
+    p.add_argument("--height", type=int, default=1024)
+    p.add_argument("--width", type=int, default=1024)
+    p.add_argument("--text-len", type=int, default=512)
+    p.add_argument("--valid-text", type=int, default=120)
+    p.add_argument("--num-layers", type=int, default=None, help="fewer blocks, for a quick smoke run")
+    p.add_argument("--tiny", action="store_true", help="the tiny demo transformer in float32 (CPU smoke run)")
+    p.add_argument("--iters", type=int, default=10, help="steps per timed repeat")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--json", default=None, help="write the result rows to this file")
     args = parser.parse_args(argv)
     commands = {
         "krea2-step": krea2_step, "krea2-step-diffusers": diffusers_krea2_step,
@@ -879,6 +955,7 @@ def main(argv=None) -> None:
         "vae-decode": vae_decode, "vae-decode-diffusers": diffusers_vae_decode, "vae-decode-jax": jax_vae_decode,
         "flux-step": flux_step, "flux-step-diffusers": diffusers_flux_step, "flux-step-jax": jax_flux_step,
         "gemm": gemm_benchmark, "gemm-jax": jax_gemm, "gemm-torch": torch_gemm, "attention-jax": jax_attention,
+        "krea2-sharded-step": krea2_sharded_step,
     }
     commands[args.command](args)
 

@@ -49,6 +49,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--tiled-decode", action="store_true", help="decode the VAE in tiles (large images)")
     parser.add_argument("--max-sequence-length", type=int, default=None,
                         help="text tokens (default: Krea 2 512, FLUX.1-dev 512, schnell 256)")
+    parser.add_argument("--mesh", default=None,
+                        help="Krea 2 on several devices, e.g. data=2,seq=4,cfg=2 (axes data, cfg, seq, fsdp; default: "
+                             "one device)")
+    parser.add_argument("--sequence-attention", choices=["ulysses", "ring"], default=None,
+                        help="with seq > 1 (default: Ulysses when the heads divide by seq, else ring)")
+    parser.add_argument("--distributed", action="store_true",
+                        help="call jax.distributed.initialize() first (one process per host, same command on each)")
     args = parser.parse_args(argv)
 
     default_side = 256 if args.demo else 1024
@@ -74,6 +81,13 @@ def parse_args(argv=None) -> argparse.Namespace:
         parser.error(f"--output: {', '.join(existing)} already exists (pass --overwrite to replace)")
     if not args.output.parent.exists():
         parser.error(f"--output {args.output}: folder {args.output.parent} does not exist")
+    if args.mesh is not None:
+        from mxdit.sharding.mesh import parse_mesh
+
+        try:
+            parse_mesh(args.mesh)
+        except ValueError as e:
+            parser.error(f"--mesh: {e}")
     args.dtype = args.dtype or ("fp32" if args.demo else "bf16")
     return args
 
@@ -103,14 +117,30 @@ def main(argv=None) -> int:
     from mxdit.model.pipeline_krea2 import demo_pipeline
     from mxdit.model.pipelines import load_pipeline
 
+    if args.distributed:
+        jax.distributed.initialize()  # coordinator, process count and id from the launcher's environment
     dtype = getattr(jnp, DTYPES[args.dtype])
     t0 = time.perf_counter()
     try:
+        mesh = None
+        if args.mesh is not None:
+            from mxdit.sharding.mesh import make_mesh
+
+            try:
+                mesh = make_mesh(args.mesh)
+            except ValueError as e:
+                raise ValueError(f"--mesh: {e}") from None
         if args.demo:
             pipe = demo_pipeline(Path(tempfile.mkdtemp(prefix="mxdit-demo-tokenizer-")), seed=0, dtype=dtype)
             print("mxdit demo: tiny Krea 2-shaped model with RANDOM weights -- the image is noise, not a picture.")
         else:
             pipe = load_pipeline(args.model, dtype=dtype)
+        if mesh is not None:
+            if isinstance(pipe, FluxPipeline):
+                raise ValueError("--mesh: FLUX.1 runs on one device for now (sharding covers Krea 2)")
+            from mxdit.sharding.krea2 import shard_krea2_pipeline
+
+            pipe = shard_krea2_pipeline(pipe, mesh, method=args.sequence_attention)
     except (CheckpointError, ValueError) as e:
         print(f"generate.py: error: {e}", file=sys.stderr)
         return 2
