@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from .layers import Linear, apply_rotary, attention_implementation, rotary_tables
+from .layers import Linear, apply_rotary, attention, attention_implementation, rotary_tables
 from .loading import (CheckpointError, DerivedCheckpoint, config_from_dict, load_state, open_checkpoint, read_json)
 
 AttentionImpl = str  # "xla" or "cudnn"
@@ -145,7 +145,7 @@ class Attention(nnx.Module):
                                    self.norm_added_q, self.norm_added_k)
             q, k, v = (jnp.concatenate(pair, axis=1) for pair in ((cq, q), (ck, k), (cv, v)))
         q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
-        out = jax.nn.dot_product_attention(q, k, v, implementation=implementation)
+        out = attention(q, k, v, None, implementation)
         out = out.reshape(*out.shape[:2], -1)
         if context is None:
             return out

@@ -22,10 +22,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from .layers import Linear, apply_rotary, attention_implementation, rotary_tables, shard_activation
+from .layers import Linear, apply_rotary, attention, attention_implementation, rotary_tables, shard_activation
 from .loading import CheckpointError, config_from_dict, load_state, open_checkpoint, read_json
 
-AttentionImpl = Literal["xla", "cudnn"]
+AttentionImpl = Literal["xla", "cudnn", "int8"]
 # An attention function (q, k, v, kv_lengths) -> out in place of a kernel name, e.g. sharding/'s sequence-parallel
 # attention: q (batch, seq, heads, head_dim), k and v (batch, seq, kv_heads, head_dim), out shaped as q.
 AttentionFn = Callable[[jax.Array, jax.Array, jax.Array, jax.Array | None], jax.Array]
@@ -125,10 +125,7 @@ class Attention(nnx.Module):
             q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
         # GQA without repeating K/V: query head n reads KV head n // (num_heads // num_kv_heads), which is what
         # diffusers' repeat_interleave of the KV heads computes.
-        if callable(implementation):
-            out = implementation(q, k, v, kv_lengths)
-        else:
-            out = jax.nn.dot_product_attention(q, k, v, key_value_seq_lengths=kv_lengths, implementation=implementation)
+        out = attention(q, k, v, kv_lengths, implementation)
         out = out.reshape(batch, seq, -1) * jax.nn.sigmoid(self.to_gate(x))
         return self.to_out[0](out)
 
@@ -261,8 +258,8 @@ class Krea2Transformer(nnx.Module):
     encoder_attention_mask=None)`. Parameters are in `dtype` except the RMSNorm weights (float32); activations are
     computed in `dtype`, normalisation and rotary embedding in float32.
 
-    `attention` picks the attention kernel: "xla" (any device and dtype) or "cudnn" (GPU, bfloat16/float16); None
-    chooses cuDNN on a GPU for 16-bit dtypes and XLA otherwise. `joint_attention` (default None: `attention`) is an
+    `attention` picks the attention kernel: "xla" (any device and dtype), "cudnn" (GPU, bfloat16/float16) or "int8"
+    (pallas_kernels' INT8-QK kernel); None chooses cuDNN on a GPU for 16-bit dtypes and XLA otherwise. `joint_attention` (default None: `attention`) is an
     `AttentionFn` that replaces the kernel in the joint blocks, where the long sequence is: sharding/ sets it to a
     sequence-parallel attention. The text-fusion blocks keep `attention`.
     """

@@ -9,14 +9,33 @@ from flax import nnx
 from flax.core.spmd import get_logical_axis_rules
 
 
+ATTENTION_KERNELS = ("xla", "cudnn", "int8")
+
+
 def attention_implementation(requested: str | None, dtype) -> str:
-    """The attention kernel a model uses: "cudnn" on a GPU for 16-bit dtypes unless asked otherwise, else "xla"."""
+    """The attention kernel a model uses: "cudnn" on a GPU for 16-bit dtypes unless asked otherwise, else "xla";
+    "int8" is the INT8-QK kernel of pallas_kernels/attention.py (chosen only when asked: cuDNN is faster so far)."""
     if requested is None:
         on_gpu = jax.default_backend() == "gpu"
         requested = "cudnn" if on_gpu and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16) else "xla"
-    if requested not in ("xla", "cudnn"):
-        raise ValueError(f"attention must be 'xla' or 'cudnn', got {requested!r}")
+    if requested not in ATTENTION_KERNELS:
+        raise ValueError(f"attention must be one of {', '.join(ATTENTION_KERNELS)}, got {requested!r}")
     return requested
+
+
+def attention(q: jax.Array, k: jax.Array, v: jax.Array, kv_lengths: jax.Array | None, implementation) -> jax.Array:
+    """Non-causal attention, q (batch, seq, heads, head_dim), k and v (batch, kv_seq, kv_heads, head_dim) with heads a
+    multiple of kv_heads (GQA), keys at positions >= kv_lengths[b] masked. `implementation`: a name of
+    `ATTENTION_KERNELS` or a function (q, k, v, kv_lengths) -> out (sharding/'s sequence-parallel attention)."""
+    if callable(implementation):
+        return implementation(q, k, v, kv_lengths)
+    if implementation == "int8":
+        from mxdit.pallas_kernels.attention import int8_attention  # kernels by name: model/'s one way to them
+
+        # Off the GPU the Pallas kernel runs in interpret mode (tests); it returns float32.
+        out = int8_attention(q, k, v, kv_lengths=kv_lengths, interpret=jax.default_backend() != "gpu")
+        return out.astype(q.dtype)
+    return jax.nn.dot_product_attention(q, k, v, key_value_seq_lengths=kv_lengths, implementation=implementation)
 
 
 def shard_activation(x: jax.Array, *axes: str | None) -> jax.Array:
