@@ -276,6 +276,10 @@ class Krea2Transformer(nnx.Module):
         self.txt_in = TextProjection(cfg.text_hidden_dim, dim, cfg.norm_eps, dtype=dtype, rngs=rngs)
         self.transformer_blocks = nnx.List([TransformerBlock(cfg, dtype=dtype, rngs=rngs) for _ in range(cfg.num_layers)])
         self.final_layer = FinalLayer(dim, cfg.in_channels, cfg.norm_eps, dtype=dtype, rngs=rngs)
+        # Training: a `jax.checkpoint_policies` policy makes each transformer block a `jax.checkpoint` (remat) unit
+        # whose backward pass recomputes what the policy does not save. None: no rematerialization. Inference is
+        # unaffected either way.
+        self.remat_policy = None
 
     def __call__(
         self,
@@ -335,7 +339,10 @@ class Krea2Transformer(nnx.Module):
             jnp.concatenate([image_pos, text_pos], axis=-2), self.config.axes_dims_rope, self.config.rope_theta
         )
         for block in self.transformer_blocks:
-            x = block(x, temb_mod, rotary, joint_kv_lengths, self.attention)
+            if self.remat_policy is None:
+                x = block(x, temb_mod, rotary, joint_kv_lengths, self.attention)
+            else:
+                x = _remat_block(block, self.remat_policy, x, temb_mod, rotary, joint_kv_lengths, self.attention)
         return self.final_layer(x[:, :image_len], temb)
 
     # ----------------------------------------------------------------------------------------------------------------
@@ -378,6 +385,17 @@ class Krea2Transformer(nnx.Module):
             convert=_unflatten_modulation,
             source=str(path),
         )
+
+
+def _remat_block(block: TransformerBlock, policy, x, temb_mod, rotary, kv_lengths, implementation: AttentionImpl):
+    """`block(...)` as one `jax.checkpoint` unit. The block's state goes in as an argument and the block is rebuilt
+    inside, so the checkpointed function is pure (nothing it traces mutates the caller's variables)."""
+    graphdef, state = nnx.split(block)
+
+    def run(state, x, temb_mod, rotary, kv_lengths):
+        return nnx.merge(graphdef, state)(x, temb_mod, rotary, kv_lengths, implementation)
+
+    return jax.checkpoint(run, policy=policy)(state, x, temb_mod, rotary, kv_lengths)
 
 
 # --------------------------------------------------------------------------------------------------------------------
