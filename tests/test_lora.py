@@ -184,3 +184,21 @@ def test_config_errors_name_the_setting():
         LoraConfig(dropout=1.0)
     with pytest.raises(ValueError, match="not a regular expression"):
         LoraConfig(targets=("to_q(",))
+
+
+def test_dropout_acts_only_with_a_key():
+    from mxdit.model.layers import Linear
+
+    layer = Linear(64, 32, bias=False, dtype=jnp.float32, rngs=nnx.Rngs(0))
+    model = nnx.List([layer])
+    add_lora(model, LoraConfig(rank=4, dropout=0.5, targets=(r"0",)))
+    randomize_b(model)
+    x = jax.random.normal(jax.random.key(4), (8, 64))
+    plain = layer(x)
+    layer.lora.dropout_key = nnx.data(jax.random.key(0))
+    dropped = layer(x)
+    assert relative_l2(dropped, plain) > 1e-3
+    base = x @ layer.weight[...].T  # dropout touches the adapter's input only
+    keep = jax.random.bernoulli(jax.random.key(0), 0.5, x.shape)
+    expected = base + layer.lora.scale * ((jnp.where(keep, 2 * x, 0) @ layer.lora.A[...].T) @ layer.lora.B[...].T)
+    np.testing.assert_allclose(dropped, expected, rtol=1e-5, atol=1e-6)
