@@ -296,6 +296,8 @@ def train(pipe, data_dir: str | Path, output_dir: str | Path, config: TrainConfi
             raise TrainError(f"{output_dir}: already holds a training run ({', '.join(taken)}); pass resume (--resume) "
                              "to continue it, or choose another output folder")
 
+    if any(True for _ in adapters(pipe.transformer)):
+        raise TrainError("the transformer already has LoRA adapters; remove_lora(pipe.transformer) first")
     examples = data_lib.read_folder(data_dir)
     fingerprint = data_fingerprint(examples)
     comparable = _comparable(config, lora_config, pipe.transformer, model_tag)
@@ -333,8 +335,6 @@ def train(pipe, data_dir: str | Path, output_dir: str | Path, config: TrainConfi
 
     # Model: adapters, remat, the split into (static graph, trainable LoRA, frozen rest).
     model = pipe.transformer
-    if any(True for _ in adapters(model)):
-        raise TrainError("the transformer already has LoRA adapters; remove_lora(pipe.transformer) first")
     add_lora(model, lora_config, seed=config.seed)
     model.remat_policy = REMAT_POLICIES[config.remat]
     graphdef, lora, frozen = nnx.split(model, nnx.LoRAParam, ...)
@@ -419,7 +419,7 @@ class _Validator:
 
     def __init__(self, pipe, lora_config: LoraConfig, config: TrainConfig, folder: Path, buckets_of, separate: bool):
         self.pipe, self.config, self.folder = pipe, config, folder
-        self.size = config.validation_size or sorted(buckets_of)[0]
+        self.size = config.validation_size or max(sorted(set(buckets_of)), key=buckets_of.count)  # the commonest
         if separate and config.validate_every and config.validation_prompts:
             add_lora(pipe.transformer, lora_config)  # the same module paths as on the trained model
 
