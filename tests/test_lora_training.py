@@ -174,6 +174,7 @@ def test_training_draws_batches_from_every_bucket(pipe, photos, cache, tmp_path,
 
 
 def test_empty_folder_unreadable_image_and_missing_caption(pipe, photos, tmp_path):
+    pipe = fresh(pipe)
     empty = tmp_path / "empty"
     empty.mkdir()
     with pytest.raises(data_lib.DataError, match="no images"):

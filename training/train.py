@@ -296,8 +296,6 @@ def train(pipe, data_dir: str | Path, output_dir: str | Path, config: TrainConfi
             raise TrainError(f"{output_dir}: already holds a training run ({', '.join(taken)}); pass resume (--resume) "
                              "to continue it, or choose another output folder")
 
-    if any(True for _ in adapters(pipe.transformer)):
-        raise TrainError("the transformer already has LoRA adapters; remove_lora(pipe.transformer) first")
     examples = data_lib.read_folder(data_dir)
     fingerprint = data_fingerprint(examples)
     comparable = _comparable(config, lora_config, pipe.transformer, model_tag)
@@ -322,6 +320,8 @@ def train(pipe, data_dir: str | Path, output_dir: str | Path, config: TrainConfi
     buckets = data_lib.make_buckets(config.resolution, config.aspects, config.bucket_multiple)
     for example in examples:
         data_lib.image_size(example.image)
+    if any(True for _ in adapters(pipe.transformer)):
+        raise TrainError("the transformer already has LoRA adapters; remove_lora(pipe.transformer) first")
     from tqdm import tqdm
 
     output_dir.mkdir(parents=True, exist_ok=True)
