@@ -202,3 +202,19 @@ def test_dropout_acts_only_with_a_key():
     keep = jax.random.bernoulli(jax.random.key(0), 0.5, x.shape)
     expected = base + layer.lora.scale * ((jnp.where(keep, 2 * x, 0) @ layer.lora.A[...].T) @ layer.lora.B[...].T)
     np.testing.assert_allclose(dropped, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_bf16_base_computes_in_bf16_with_float32_master_weights():
+    from mxdit.model.layers import Linear
+
+    model = nnx.List([Linear(64, 32, bias=True, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))])
+    add_lora(model, LoraConfig(rank=4, targets=(r"0",)))
+    randomize_b(model)
+    adapter = model[0].lora
+    assert adapter.A.dtype == adapter.B.dtype == jnp.float32
+    x = jax.random.normal(jax.random.key(4), (8, 64), jnp.bfloat16)
+    assert model[0](x).dtype == jnp.bfloat16
+    graphdef, lora, frozen = nnx.split(model, nnx.LoRAParam, ...)
+    grads = jax.grad(lambda lora: jnp.sum(nnx.merge(graphdef, lora, frozen)[0](x).astype(jnp.float32) ** 2))(lora)
+    assert {g.dtype for g in jax.tree.leaves(grads)} == {jnp.dtype(jnp.float32)}
+    assert all(float(jnp.abs(g).max()) > 0 for g in jax.tree.leaves(grads))
