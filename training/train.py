@@ -118,6 +118,13 @@ RESUMABLE_CHANGES = ("save_every", "keep_checkpoints", "validate_every", "valida
                      "validation_size")
 
 
+def step_config(config: TrainConfig) -> TrainConfig:
+    """`config` with the settings that do not enter the step (RESUMABLE_CHANGES) at their defaults: the static
+    argument of the jitted step, so changing how often to save or validate does not recompile it."""
+    defaults = TrainConfig()
+    return dataclasses.replace(config, **{name: getattr(defaults, name) for name in RESUMABLE_CHANGES})
+
+
 def make_optimizer(config: TrainConfig) -> optax.GradientTransformation:
     """Clip by global norm, then AdamW with linear warm-up and cosine decay (the schedule counts optimizer steps)."""
     return optax.chain(optax.clip_by_global_norm(config.max_grad_norm),
@@ -379,6 +386,7 @@ def train(pipe, data_dir: str | Path, output_dir: str | Path, config: TrainConfi
     if resume:
         log.write(json.dumps({"event": "resume", "step": step}) + "\n")
     plan = data_lib.epoch_batches(buckets_of, per_step, config.seed, epoch)
+    static_config = step_config(config)
     try:
         with tqdm(total=config.steps, initial=step, desc="train", unit="step", disable=not progress) as bar:
             while step < end:
@@ -388,7 +396,7 @@ def train(pipe, data_dir: str | Path, output_dir: str | Path, config: TrainConfi
                 t0 = time.perf_counter()
                 members = [cached[i] for i in plan[batch_index]]
                 batch = make_batch(members, config, text_len)
-                lora, opt_state, metrics = jit_train_step(graphdef, config, frozen, lora, opt_state, batch,
+                lora, opt_state, metrics = jit_train_step(graphdef, static_config, frozen, lora, opt_state, batch,
                                                           jax.random.fold_in(base_key, step))
                 loss = float(metrics["loss"])  # waits for the device: the bar's it/s is real
                 step, batch_index = step + 1, batch_index + 1
