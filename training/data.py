@@ -163,7 +163,8 @@ def build_cache(pipe, examples: Sequence[Example], buckets: Sequence[tuple[int, 
     `cache_dir`; examples already there are only read. Each file is written to a temporary name, then renamed.
 
     Only the real text tokens are stored: Krea 2 attends to them alone (padded tokens are moved last and are no key),
-    and its text positions are all zero, so padding them back with zeros at batch time gives the same output.
+    and its text positions are all zero, so padding them back with zeros at batch time gives the same output up to
+    float rounding (a 13-token caption padded to 16 instead of 32 tokens: 1e-6 max abs difference, demo model, fp32).
     """
     import jax.numpy as jnp
 
