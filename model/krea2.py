@@ -284,6 +284,10 @@ class Krea2Transformer(nnx.Module):
         self.txt_in = TextProjection(cfg.text_hidden_dim, dim, cfg.norm_eps, dtype=dtype, rngs=rngs)
         self.transformer_blocks = nnx.List([TransformerBlock(cfg, dtype=dtype, rngs=rngs) for _ in range(cfg.num_layers)])
         self.final_layer = FinalLayer(dim, cfg.in_channels, cfg.norm_eps, dtype=dtype, rngs=rngs)
+        # Training: a `jax.checkpoint_policies` policy makes each transformer block a `jax.checkpoint` (remat) unit
+        # whose backward pass recomputes what the policy does not save. None: no rematerialization. Inference is
+        # unaffected either way.
+        self.remat_policy = None
 
     def __call__(
         self,
@@ -350,7 +354,10 @@ class Krea2Transformer(nnx.Module):
         rotary = rotary_tables(positions, self.config.axes_dims_rope, self.config.rope_theta)
         joint_attention = self.attention if self.joint_attention is None else self.joint_attention
         for block in self.transformer_blocks:
-            x = block(x, temb_mod, rotary, joint_kv_lengths, joint_attention)
+            if self.remat_policy is None:
+                x = block(x, temb_mod, rotary, joint_kv_lengths, joint_attention)
+            else:
+                x = _remat_block(block, self.remat_policy, x, temb_mod, rotary, joint_kv_lengths, joint_attention)
             x = shard_activation(x, "batch", "sequence", None)
         # The final layer acts per token: applied before the slice, it keeps a split sequence split up to the small
         # (batch, seq, in_channels) output.
@@ -396,6 +403,18 @@ class Krea2Transformer(nnx.Module):
             convert=_unflatten_modulation,
             source=str(path),
         )
+
+
+def _remat_block(block: TransformerBlock, policy, x, temb_mod, rotary, kv_lengths,
+                 implementation: AttentionImpl | AttentionFn):
+    """`block(...)` as one `jax.checkpoint` unit. The block's state goes in as an argument and the block is rebuilt
+    inside, so the checkpointed function is pure (nothing it traces mutates the caller's variables)."""
+    graphdef, state = nnx.split(block)
+
+    def run(state, x, temb_mod, rotary, kv_lengths):
+        return nnx.merge(graphdef, state)(x, temb_mod, rotary, kv_lengths, implementation)
+
+    return jax.checkpoint(run, policy=policy)(state, x, temb_mod, rotary, kv_lengths)
 
 
 # --------------------------------------------------------------------------------------------------------------------

@@ -70,6 +70,9 @@ class Linear(nnx.Module):
         # A quant format name: the input is quantized and dequantized per token (or block) before the product, which
         # simulates weight+activation quantization (see model/quality.py). None: the input is used as it is.
         self.activation_format = None
+        # A low-rank adapter (training/lora.py's LoRA) called as `lora(x, y)` after the product: it adds its update
+        # to y. None: a plain linear layer. Data, not static: its matrices are state of the model.
+        self.lora = nnx.data(None)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         """x: (..., in_features) -> (..., out_features)."""
@@ -77,9 +80,14 @@ class Linear(nnx.Module):
             from mxdit.quant.formats import quantize  # formats by name: the one way model/ reaches quant/
 
             x = quantize(x, self.activation_format, axis=-1).dequantize(x.dtype)
-        y = jax.lax.dot_general(x, self.weight[...], (((x.ndim - 1,), (1,)), ((), ())))
+        weight = self.weight.get_value()
+        if hasattr(weight, "dequantize"):  # a quant.QuantizedArray (a frozen quantized base): dequantized per call
+            weight = weight.dequantize(x.dtype)
+        y = jax.lax.dot_general(x, weight, (((x.ndim - 1,), (1,)), ((), ())))
         if self.bias is not None:
             y = y + self.bias[...]
+        if self.lora is not None:
+            y = self.lora(x, y)
         return y
 
 

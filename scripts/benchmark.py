@@ -7,6 +7,8 @@
     python scripts/benchmark.py flux-step                       # FLUX.1-dev, one step at 1024x1024
     python scripts/benchmark.py gemm                            # block-scaled GEMM kernels vs XLA and torch
     python scripts/benchmark.py krea2-sharded-step --meshes seq=8 cfg=2,seq=4 --guidance   # all GPUs, per mesh
+    python scripts/benchmark.py krea2-lora-step --remat none block   # LoRA training step, rank 32, 1024x1024
+    python scripts/benchmark.py krea2-lora-step --tiny          # the same on a tiny model (runs on a CPU)
 
 Weights are random (bf16); the shapes are the released model's: 4096 image tokens (1024x1024), 512 text tokens of
 which 120 are real (the padding mask). JAX is timed with many steps inside one jitted program (`lax.fori_loop`),
@@ -783,6 +785,98 @@ def flux_step(args) -> None:
         Path(args.json).write_text(json.dumps(rows, indent=1))
 
 
+TINY_KREA2 = dict(in_channels=64, num_layers=2, attention_head_dim=32, num_attention_heads=4, num_key_value_heads=2,
+                  intermediate_size=256, timestep_embed_dim=64, text_hidden_dim=64, num_text_layers=3,
+                  text_num_attention_heads=4, text_num_key_value_heads=4, text_intermediate_size=128,
+                  num_layerwise_text_blocks=1, num_refiner_text_blocks=1, axes_dims_rope=(8, 12, 12))
+
+
+def jax_krea2_lora_step(args) -> list[dict]:
+    """One LoRA training step (forward, backward to the adapters, clipping, AdamW) of full-size Krea 2 with random
+    bf16 weights, batch 1, as `training.train.train_step` runs it; one remat policy per process, so that the device's
+    peak memory is this variant's own. Timed by syncing after `iters` dispatched steps."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from mxdit.model.krea2 import Krea2Config, Krea2Transformer
+    from mxdit.training.lora import LoraConfig, add_lora, quantize_base
+    from mxdit.training.train import REMAT_POLICIES, TrainConfig, jit_train_step, make_optimizer
+
+    cfg = Krea2Config(**TINY_KREA2) if args.tiny else _config(args)
+    device = jax.devices()[0]
+    model = Krea2Transformer(cfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+    if args.quantize_base:
+        from mxdit.quant.model import krea2_rules
+
+        quantize_base(model, krea2_rules(args.quantize_base))
+    names = add_lora(model, LoraConfig(rank=args.rank, alpha=float(args.rank)))
+    model.remat_policy = REMAT_POLICIES[args.remat]
+    config = TrainConfig(steps=10_000, remat=args.remat)
+    graphdef, lora, frozen = nnx.split(model, nnx.LoRAParam, ...)
+    lora = jax.tree.map(jnp.copy, lora)
+    opt_state = make_optimizer(config).init(lora)
+    lora, opt_state = jax.device_put((lora, opt_state), device)
+    lora_params = sum(int(x.size) for x in jax.tree.leaves(lora))
+    hidden, text, _, position_ids, mask = _krea2_inputs(cfg, args.height, args.width, args.text_len, args.valid_text)
+    batch = {"latents": jnp.asarray(hidden)[None], "embeds": jnp.asarray(text, jnp.bfloat16)[None],
+             "mask": jnp.asarray(mask)[None], "position_ids": jnp.asarray(position_ids)}
+    key = jax.random.key(0)
+    row = {"name": f"jax LoRA step bf16, rank {args.rank}, {len(names)} adapters, remat {args.remat}"
+                   + (f", base {args.quantize_base}" if args.quantize_base else ""), "lora_params": lora_params}
+    try:
+        t0 = time.perf_counter()
+        compiled = jit_train_step.lower(graphdef, config, frozen, lora, opt_state, batch, key).compile()
+        row["compile_s"] = time.perf_counter() - t0
+        mem = compiled.memory_analysis()
+        if mem is not None:  # the program's own footprint: arguments (weights, state, batch), temporaries, outputs
+            row["temp_gb"] = mem.temp_size_in_bytes / 1e9
+            row["program_gb"] = (mem.temp_size_in_bytes + mem.argument_size_in_bytes + mem.output_size_in_bytes) / 1e9
+        lora, opt_state, metrics = compiled(frozen, lora, opt_state, batch, key)
+        jax.block_until_ready(metrics)
+        times = []
+        for _ in range(args.repeats):
+            t0 = time.perf_counter()
+            for i in range(args.iters):
+                lora, opt_state, metrics = compiled(frozen, lora, opt_state, batch, jax.random.fold_in(key, i))
+            jax.block_until_ready((lora, metrics))
+            times.append((time.perf_counter() - t0) / args.iters)
+        row["s_per_step"] = statistics.median(times)
+        row["spread"] = (max(times) - min(times)) / row["s_per_step"]
+        row["loss"] = float(metrics["loss"])
+    except Exception as e:  # an out-of-memory variant is a result too
+        row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
+    stats = device.memory_stats() or {}
+    row["peak_gb"] = stats.get("peak_bytes_in_use", 0) / 1e9
+    print(json.dumps(row), flush=True)
+    return [row]
+
+
+def krea2_lora_step(args) -> None:
+    forwarded = ["--height", str(args.height), "--width", str(args.width), "--text-len", str(args.text_len),
+                 "--valid-text", str(args.valid_text), "--rank", str(args.rank), "--iters", str(args.iters),
+                 "--repeats", str(args.repeats)]
+    forwarded += ["--num-layers", str(args.num_layers)] if args.num_layers else []
+    forwarded += ["--tiny"] if args.tiny else []
+    forwarded += ["--quantize-base", args.quantize_base] if args.quantize_base else []
+    rows = []
+    for remat in args.remat:
+        rows += _subprocess_rows(args, "krea2-lora-step-jax", forwarded + ["--remat", remat])
+    size = "tiny model" if args.tiny else "full size"
+    print(f"\nKrea 2 LoRA training step ({size}), {args.height}x{args.width}, batch 1, text {args.text_len} "
+          f"({args.valid_text} real). Peak GB: device peak (0 where the device reports none); temp GB: the "
+          "compiled step's temporaries (what remat trades); program GB: its arguments + temporaries + outputs")
+    print(f"{'variant':<66} {'s/step':>8} {'peak GB':>8} {'temp GB':>8} {'program GB':>10} {'warm-up s':>9}")
+    for r in rows:
+        if "error" in r:
+            print(f"{r['name']:<66} error: {r['error']}")
+        else:
+            print(f"{r['name']:<66} {r['s_per_step']:8.4f} {r['peak_gb']:8.2f} {r.get('temp_gb', 0):8.2f} "
+                  f"{r.get('program_gb', 0):10.2f} {r['compile_s']:9.1f}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
+
+
 def krea2_sharded_step(args) -> None:
     """The Krea 2 denoising step of the pipeline on each mesh (sharding/krea2.py), a dispatch per step."""
     import jax
@@ -947,6 +1041,24 @@ def main(argv=None) -> None:
     p.add_argument("--iters", type=int, default=10, help="steps per timed repeat")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--json", default=None, help="write the result rows to this file")
+    for name in ("krea2-lora-step", "krea2-lora-step-jax"):
+        p = sub.add_parser(name)
+        p.add_argument("--height", type=int, default=1024)
+        p.add_argument("--width", type=int, default=1024)
+        p.add_argument("--text-len", type=int, default=512)
+        p.add_argument("--valid-text", type=int, default=120)
+        p.add_argument("--rank", type=int, default=32)
+        p.add_argument("--num-layers", type=int, default=None, help="fewer blocks, for a quick smoke run")
+        p.add_argument("--tiny", action="store_true", help="a tiny Krea 2-shaped model (checks the path on a CPU)")
+        p.add_argument("--quantize-base", default=None, metavar="FORMAT", help="frozen block matrices in this format")
+        p.add_argument("--iters", type=int, default=5, help="steps per timed repeat")
+        p.add_argument("--repeats", type=int, default=3)
+        p.add_argument("--json", default=None)
+        if name == "krea2-lora-step":
+            p.add_argument("--remat", nargs="+", default=["none", "block"],
+                           choices=["none", "block", "dots", "dots_all"], help="one process per policy")
+        else:
+            p.add_argument("--remat", default="none", choices=["none", "block", "dots", "dots_all"])
     args = parser.parse_args(argv)
     commands = {
         "krea2-step": krea2_step, "krea2-step-diffusers": diffusers_krea2_step,
@@ -956,6 +1068,7 @@ def main(argv=None) -> None:
         "flux-step": flux_step, "flux-step-diffusers": diffusers_flux_step, "flux-step-jax": jax_flux_step,
         "gemm": gemm_benchmark, "gemm-jax": jax_gemm, "gemm-torch": torch_gemm, "attention-jax": jax_attention,
         "krea2-sharded-step": krea2_sharded_step,
+        "krea2-lora-step": krea2_lora_step, "krea2-lora-step-jax": jax_krea2_lora_step,
     }
     commands[args.command](args)
 

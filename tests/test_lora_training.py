@@ -1,0 +1,255 @@
+"""training/train.py on the demo Krea 2 pipeline (random weights, float32, CPU) with real photographs: patches of
+scikit-image's sample images at 32x32. The loss falls; resuming is exact; gradient accumulation equals one big batch;
+bad input gets a one-line error and leaves the run folder as it was; the CLI."""
+
+import dataclasses
+import importlib.util
+import json
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from PIL import Image
+
+from conftest import relative_l2
+from mxdit.model.pipeline_krea2 import demo_pipeline
+from mxdit.training import data as data_lib
+from mxdit.training.lora import LoraConfig, add_lora, remove_lora
+from mxdit.training.train import (TrainConfig, TrainError, jit_accumulated_gradients, make_batch, make_optimizer,
+                                  train)
+
+skimage_data = pytest.importorskip("skimage.data")
+
+LORA = LoraConfig(rank=4, alpha=4)
+CONFIG = TrainConfig(steps=32, batch_size=4, learning_rate=1e-2, resolution=32, bucket_multiple=16,
+                     aspects=(1.0,), max_sequence_length=16, save_every=10, keep_checkpoints=2, seed=0)
+
+
+def write_photo_patches(folder: Path, per_photo: int = 6) -> None:
+    """24 patches of four sample photographs, most square, a few wide and tall (so three buckets)."""
+    folder.mkdir(parents=True)
+    photos = {"astronaut": skimage_data.astronaut(), "coffee": skimage_data.coffee(),
+              "cat": skimage_data.chelsea(), "rocket": skimage_data.rocket()}
+    for name, photo in photos.items():
+        height, width = photo.shape[:2]
+        for i in range(per_photo):
+            h, w = {0: (48, 96), 1: (96, 48)}.get(i, (96, 96))
+            y, x = (i * 53) % (height - h), (i * 97) % (width - w)
+            Image.fromarray(photo[y : y + h, x : x + w]).save(folder / f"{name}_{i}.png")
+            (folder / f"{name}_{i}.txt").write_text(f"a photo of a {name}")
+
+
+@pytest.fixture(scope="module")
+def photos(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("photos") / "data"
+    write_photo_patches(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def pipe(tmp_path_factory):
+    return demo_pipeline(tmp_path_factory.mktemp("tokenizer"), seed=0, dtype=jnp.float32, distilled=False)
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("cache")  # shared: the photos are encoded once for the whole module
+
+
+def fresh(pipe):
+    remove_lora(pipe.transformer)
+    return pipe
+
+
+@pytest.fixture(scope="module")
+def trained(pipe, photos, cache, tmp_path_factory):
+    out = tmp_path_factory.mktemp("run") / "run"
+    result = train(fresh(pipe), photos, out, CONFIG, LORA, model_tag="demo", cache_dir=cache, progress=False)
+    return result
+
+
+def snapshot(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def test_loss_falls_on_real_photographs(trained):
+    losses = [loss for _, loss in trained.losses]
+    assert len(losses) == CONFIG.steps and all(np.isfinite(losses))
+    first, last = np.mean(losses[:8]), np.mean(losses[-8:])
+    print(f"loss: first 8 steps {first:.4f}, last 8 steps {last:.4f}")
+    assert last < 0.8 * first
+    out = trained.output_dir
+    rows = [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, CONFIG.steps + 1))
+    assert {"loss", "grad_norm", "lr", "seconds", "epoch"} <= set(rows[0])
+    assert sorted(int(p.name) for p in (out / "checkpoints").iterdir()) == [30, 32]  # keeps the last 2
+    from safetensors.numpy import load_file
+
+    saved = load_file(out / "lora.safetensors")
+    assert saved["transformer.transformer_blocks.0.attn.to_q.lora_A.weight"].shape == (4, 256)
+    np.testing.assert_array_equal(saved["transformer.transformer_blocks.0.attn.to_q.lora_B.weight"],
+                                  trained.lora["transformer_blocks"][0]["attn"]["to_q"]["lora"]["B"][...])
+
+
+def test_buckets_by_aspect_ratio(photos):
+    buckets = data_lib.make_buckets(32, (0.5, 1.0, 2.0), 16)
+    assert buckets == [(48, 16), (32, 32), (16, 48)]
+    sizes = {data_lib.nearest_bucket(data_lib.image_size(e.image), buckets) for e in data_lib.read_folder(photos)}
+    assert sizes == set(buckets)
+    batches = data_lib.epoch_batches([(1, 1)] * 5 + [(2, 1)] * 3, 2, seed=0, epoch=0)
+    assert all(len(b) == 2 and (max(b) < 5 or min(b) >= 5) for b in batches) and len(batches) == 5
+    assert batches == data_lib.epoch_batches([(1, 1)] * 5 + [(2, 1)] * 3, 2, seed=0, epoch=0)
+
+
+def test_resume_is_exact(trained, pipe, photos, cache, tmp_path):
+    """The same config as `trained` (32 steps straight), stopped after 16 steps and resumed in a new call."""
+    half = train(fresh(pipe), photos, tmp_path / "halves", CONFIG, LORA, model_tag="demo", cache_dir=cache,
+                 stop_at=16, progress=False)
+    assert half.step == 16 and not (tmp_path / "halves" / "lora.safetensors").exists()
+    # how often to save may change on resume (it does not enter the weights)
+    resumed = train(fresh(pipe), photos, tmp_path / "halves", dataclasses.replace(CONFIG, save_every=7), LORA,
+                    model_tag="demo", cache_dir=cache, resume=True, progress=False)
+    assert sorted(int(p.name) for p in (tmp_path / "halves" / "checkpoints").iterdir()) == [28, 32]
+    assert resumed.step == 32 and [s for s, _ in resumed.losses] == list(range(17, 33))
+    assert [loss for _, loss in half.losses + resumed.losses] == [loss for _, loss in trained.losses]
+    for a, b in zip(jax.tree.leaves(trained.lora), jax.tree.leaves(resumed.lora), strict=True):
+        np.testing.assert_array_equal(a, b)  # bit for bit
+    from safetensors.numpy import load_file
+
+    files = [load_file(folder / "lora.safetensors") for folder in (tmp_path / "halves", trained.output_dir)]
+    assert files[0].keys() == files[1].keys()
+    for key in files[0]:
+        np.testing.assert_array_equal(files[0][key], files[1][key])
+
+
+def test_gradient_accumulation_equals_one_big_batch(trained, pipe, photos, cache):
+    """At the LoRA weights `trained` ended with: 4 micro-batches of 1 against one batch of 4, same examples, same
+    noise and timesteps. Equal up to float32 rounding: the batch's LoRA weight gradients are reductions over
+    batch x tokens, summed in another order than the micro-batches' (measured: loss 8e-8, gradients 0.8e-6 here and
+    1.2-1.3e-6 at other weights and keys, the weights after one AdamW step 1.3e-6 -- Adam's first step divides each gradient by its own
+    magnitude, which amplifies the rounding of the smallest ones)."""
+    examples = data_lib.read_folder(photos)
+    buckets = data_lib.make_buckets(32, (1.0,), 16)
+    cached = data_lib.build_cache(pipe, examples[:4], buckets, cache, max_sequence_length=16, tag="accumulation")
+    model = fresh(pipe).transformer
+    add_lora(model, LORA)
+    graphdef, _, frozen = nnx.split(model, nnx.LoRAParam, ...)
+    lora = trained.lora
+    big = dataclasses.replace(CONFIG, batch_size=4, grad_accum=1)
+    accumulated = dataclasses.replace(CONFIG, batch_size=1, grad_accum=4)
+    flat = lambda tree: np.concatenate([np.ravel(x) for x in jax.tree.leaves(tree)])
+    runs = {}
+    for name, config in (("big", big), ("accumulated", accumulated)):
+        batch = make_batch(cached, config, text_len=16)
+        assert batch["latents"].shape[:2] == (config.grad_accum, config.batch_size)
+        loss, grads = jit_accumulated_gradients(graphdef, config, frozen, lora, batch, jax.random.key(7))
+        optimizer = make_optimizer(config)  # one AdamW step with clipping, as train_step applies it
+        updates, _ = optimizer.update(grads, optimizer.init(lora), lora)
+        runs[name] = (float(loss), flat(grads), flat(optax.apply_updates(lora, updates)))
+    (loss_b, grads_b, params_b), (loss_a, grads_a, params_a) = runs["big"], runs["accumulated"]
+    print(f"accumulation: loss rel diff {abs(loss_a - loss_b) / loss_b:.2e}, gradient rel L2 "
+          f"{relative_l2(grads_a, grads_b):.2e}, LoRA weights after the step rel L2 "
+          f"{relative_l2(params_a, params_b):.2e}")
+    assert abs(loss_a - loss_b) <= 1e-6 * loss_b
+    assert relative_l2(grads_a, grads_b) <= 2e-6
+    assert relative_l2(params_a, params_b) <= 5e-6
+
+
+@pytest.mark.slow
+def test_training_draws_batches_from_every_bucket(pipe, photos, cache, tmp_path):
+    """Slow: three more compilations, one per bucket shape."""
+    config = dataclasses.replace(CONFIG, steps=6, aspects=(0.5, 1.0, 2.0), save_every=100)
+    result = train(fresh(pipe), photos, tmp_path / "run", config, LORA, model_tag="demo", cache_dir=cache,
+                   progress=False)
+    rows = [json.loads(line) for line in (tmp_path / "run" / "train_log.jsonl").read_text().splitlines()]
+    assert {tuple(r["bucket"]) for r in rows} == {(48, 16), (32, 32), (16, 48)}  # 1 wide, 1 tall, 4 square batches
+    assert all(np.isfinite([loss for _, loss in result.losses]))
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Bad input: one clear message, nothing overwritten
+
+
+def test_empty_folder_unreadable_image_and_missing_caption(pipe, photos, tmp_path):
+    pipe = fresh(pipe)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(data_lib.DataError, match="no images"):
+        train(pipe, empty, tmp_path / "out", CONFIG, LORA)
+    assert not (tmp_path / "out").exists()
+
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "a.png").write_bytes(b"this is not a PNG")
+    (broken / "a.txt").write_text("a caption")
+    with pytest.raises(data_lib.DataError, match=r"a\.png: unreadable image"):
+        train(pipe, broken, tmp_path / "out", CONFIG, LORA)
+    assert not (tmp_path / "out").exists()
+
+    uncaptioned = tmp_path / "uncaptioned"
+    uncaptioned.mkdir()
+    Image.new("RGB", (40, 40)).save(uncaptioned / "b.png")
+    with pytest.raises(data_lib.DataError, match=r"b\.png: caption missing"):
+        train(pipe, uncaptioned, tmp_path / "out", CONFIG, LORA)
+    (uncaptioned / "metadata.jsonl").write_text('{"file_name": "c.png", "text": "x"}\n')
+    with pytest.raises(data_lib.DataError, match=r"metadata\.jsonl: no caption for b\.png"):
+        data_lib.read_folder(uncaptioned)
+    (uncaptioned / "metadata.jsonl").write_text('{"file_name": "b.png", "text": "x"}\nnot json\n')
+    with pytest.raises(data_lib.DataError, match=r"metadata\.jsonl:2: not a JSON object"):
+        data_lib.read_folder(uncaptioned)
+    (uncaptioned / "metadata.jsonl").write_text('{"file_name": "b.png", "text": "a grey square"}\n')
+    assert data_lib.read_folder(uncaptioned)[0].caption == "a grey square"
+
+
+def test_resume_with_another_config_and_a_second_run_in_the_same_folder_change_nothing(trained, pipe, photos, cache):
+    out = trained.output_dir
+    before = snapshot(out)
+    with pytest.raises(TrainError, match=r"cannot resume.*rank=4 in the checkpoint, 8 now"):
+        train(fresh(pipe), photos, out, CONFIG, dataclasses.replace(LORA, rank=8), resume=True, model_tag="demo",
+              cache_dir=cache, progress=False)
+    with pytest.raises(TrainError, match=r"learning_rate=0.01 in the checkpoint, 0.001 now"):
+        train(fresh(pipe), photos, out, dataclasses.replace(CONFIG, learning_rate=1e-3), LORA, resume=True,
+              model_tag="demo", cache_dir=cache, progress=False)
+    with pytest.raises(TrainError, match="already holds a training run"):
+        train(fresh(pipe), photos, out, CONFIG, LORA, model_tag="demo", cache_dir=cache, progress=False)
+    assert snapshot(out) == before
+    with pytest.raises(TrainError, match="nothing to resume"):
+        train(fresh(pipe), photos, out.parent / "elsewhere", CONFIG, LORA, resume=True, progress=False)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# The command line
+
+spec = importlib.util.spec_from_file_location("train_lora", Path(__file__).parent.parent / "scripts" / "train_lora.py")
+train_lora = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(train_lora)
+
+
+def run_cli(argv, capsys):
+    try:
+        code = train_lora.main(argv)
+    except SystemExit as e:
+        code = e.code
+    return code, capsys.readouterr()
+
+
+def test_cli_demo_trains_and_bad_arguments_exit_with_one_line(photos, tmp_path, capsys):
+    out = tmp_path / "cli"
+    argv = ["--demo", "--data", str(photos), "--output", str(out), "--steps", "3", "--resolution", "32", "--rank", "2",
+            "--max-sequence-length", "16", "--aspects", "1", "--validate-every", "3", "--validation-prompt", "a cat",
+            "--validation-steps", "1", "--no-progress"]
+    code, captured = run_cli(argv, capsys)
+    assert code == 0, captured.err
+    assert (out / "lora.safetensors").is_file() and (out / "validation" / "step_000003_0.png").is_file()
+    assert "RANDOM weights" in captured.out
+
+    code, captured = run_cli(argv, capsys)  # the same folder again, without --resume
+    assert code == 2 and "already holds a training run" in captured.err and len(captured.err.splitlines()) == 1
+    code, captured = run_cli(["--demo", "--data", str(tmp_path / "nope"), "--output", str(out)], capsys)
+    assert code == 2 and captured.err.strip() == f"train_lora.py: error: --data {tmp_path / 'nope'}: no such folder"
+    code, captured = run_cli(argv[:-1] + ["--remat", "everything"], capsys)
+    assert code == 2 and "--remat" in captured.err and len(captured.err.splitlines()) == 1
