@@ -76,7 +76,18 @@ def parse_args(argv=None) -> argparse.Namespace:
     t.add_argument("--validation-prompt", action="append", default=[], help="repeat for several")
     t.add_argument("--validation-steps", type=int, default=None)
     t.add_argument("--no-progress", action="store_true")
+    t.add_argument("--mesh", default=None,
+                   help="devices by named axes, e.g. data=2,fsdp=4 (data parallel x FSDP); default one device")
+    t.add_argument("--distributed", action="store_true",
+                   help="call jax.distributed.initialize() first (one process per host, same command on each)")
     args = p.parse_args(argv)
+    if args.mesh is not None:
+        from mxdit.sharding.mesh import parse_mesh
+
+        try:
+            parse_mesh(args.mesh)
+        except ValueError as e:
+            p.error(f"--mesh: {e}")
 
     if args.model is not None and not args.model.is_dir():
         p.error(f"--model {args.model}: no such folder")
@@ -109,7 +120,19 @@ def main(argv=None) -> int:
     from mxdit.training.lora import LoraConfig, quantize_base
     from mxdit.training.train import TrainConfig, TrainError, train
 
+    if args.distributed:
+        import jax
+
+        jax.distributed.initialize()  # coordinator, process count and id from the launcher's environment
     try:
+        mesh = None
+        if args.mesh is not None:
+            from mxdit.sharding.mesh import make_mesh
+
+            try:
+                mesh = make_mesh(args.mesh)
+            except ValueError as e:
+                raise ValueError(f"--mesh: {e}") from None
         lora_config = LoraConfig(rank=args.rank, alpha=args.alpha if args.alpha is not None else float(args.rank),
                                  dropout=args.dropout, targets=args.targets)
         config = TrainConfig(
@@ -145,7 +168,8 @@ def main(argv=None) -> int:
 
             quantize_base(pipe.transformer, krea2_rules(args.quantize_base))
         result = train(pipe, args.data, args.output, config, lora_config, resume=args.resume, model_tag=tag,
-                       cache_dir=args.cache_dir, validation_pipe=validation_pipe, progress=not args.no_progress)
+                       cache_dir=args.cache_dir, validation_pipe=validation_pipe, progress=not args.no_progress,
+                       mesh=mesh)
     except (CheckpointError, DataError, TrainError, ValueError) as e:
         print(f"train_lora.py: error: {e}", file=sys.stderr)
         return 2

@@ -25,6 +25,7 @@ input and output shardings (data-parallel batch, FSDP base and LoRA) without cha
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -281,7 +282,7 @@ class TrainResult:
 
 def train(pipe, data_dir: str | Path, output_dir: str | Path, config: TrainConfig, lora_config: LoraConfig, *,
           resume: bool = False, model_tag: str = "", cache_dir: str | Path | None = None, validation_pipe=None,
-          stop_at: int | None = None, progress: bool = True) -> TrainResult:
+          stop_at: int | None = None, progress: bool = True, mesh=None) -> TrainResult:
     """Train a LoRA on `pipe.transformer` (a Krea2Pipeline; the transformer stays frozen) with the captioned images of
     `data_dir`, writing checkpoints, the metric log, validation images and finally `lora.safetensors` to `output_dir`.
 
@@ -289,8 +290,23 @@ def train(pipe, data_dir: str | Path, output_dir: str | Path, config: TrainConfi
     `RESUMABLE_CHANGES`). Without it, an `output_dir` that already holds a run is an error: nothing is overwritten.
     `model_tag` names the base model in the cache keys. `validation_pipe`: generate validation images with that
     pipeline (e.g. Krea 2 Turbo) and the adapters copied onto its transformer, instead of `pipe`. `stop_at`: stop
-    (with a checkpoint) after that many steps, as an interrupted run would.
+    (with a checkpoint) after that many steps, as an interrupted run would. `mesh` (`sharding.mesh.make_mesh`): data
+    parallel over `data` and FSDP over `fsdp` (the frozen weights split over `fsdp`, each micro-batch over both;
+    the LoRA weights and optimizer state replicated: they are small).
     """
+    if mesh is not None:
+        from mxdit.sharding.mesh import check_batch, describe
+
+        busy = [a for a in ("cfg", "seq", "tensor") if mesh.shape[a] > 1]
+        if busy:
+            raise TrainError(f"mesh {describe(mesh)}: training splits over data and fsdp only, not {', '.join(busy)}")
+        try:
+            check_batch(config.batch_size, mesh, ("data", "fsdp"), what="--batch-size")
+        except ValueError as e:
+            raise TrainError(str(e)) from None
+        if config.validation_prompts and config.validate_every:
+            raise TrainError(f"mesh {describe(mesh)}: validation images are not made on a mesh yet; train without "
+                             "validation prompts, then generate with the saved LoRA")
     output_dir = Path(output_dir)
     manager_dir = output_dir / "checkpoints"
     has_run = manager_dir.is_dir() and any(manager_dir.iterdir())
@@ -347,8 +363,10 @@ def train(pipe, data_dir: str | Path, output_dir: str | Path, config: TrainConfi
     graphdef, lora, frozen = nnx.split(model, nnx.LoRAParam, ...)
     lora = jax.tree.map(jnp.copy, lora)  # the step donates its LoRA buffers; the model keeps its own until the end
     opt_state = make_optimizer(config).init(lora)
-    # Committed to the device, as restored arrays are: the step then compiles once for a run and its resumption.
-    lora, opt_state = jax.device_put((lora, opt_state), jax.devices()[0])
+    # Committed to the device(s), as restored arrays are: the step then compiles once for a run and its resumption.
+    place = _Placement(mesh)
+    frozen = place.frozen(frozen)
+    lora, opt_state = jax.device_put((lora, opt_state), place.replicated)
     base_key = jax.random.key(config.seed)
     step, epoch, batch_index = 0, 0, 0
     if resume:
@@ -395,9 +413,10 @@ def train(pipe, data_dir: str | Path, output_dir: str | Path, config: TrainConfi
                     plan = data_lib.epoch_batches(buckets_of, per_step, config.seed, epoch)
                 t0 = time.perf_counter()
                 members = [cached[i] for i in plan[batch_index]]
-                batch = make_batch(members, config, text_len)
-                lora, opt_state, metrics = jit_train_step(graphdef, static_config, frozen, lora, opt_state, batch,
-                                                          jax.random.fold_in(base_key, step))
+                batch = place.batch(make_batch(members, config, text_len))
+                with place.context():
+                    lora, opt_state, metrics = jit_train_step(graphdef, static_config, frozen, lora, opt_state, batch,
+                                                              jax.random.fold_in(base_key, step))
                 loss = float(metrics["loss"])  # waits for the device: the bar's it/s is real
                 step, batch_index = step + 1, batch_index + 1
                 row = {"step": step, "loss": loss, "grad_norm": float(metrics["grad_norm"]),
@@ -420,6 +439,46 @@ def train(pipe, data_dir: str | Path, output_dir: str | Path, config: TrainConfi
         save_lora(model, output_dir / "lora.safetensors", lora_config,
                   extra={"mxdit.train": json.dumps(comparable["train"]), "mxdit.step": str(step)})
     return TrainResult(step, losses, lora, output_dir)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Placement:
+    """Where the step's arguments live: one device, or a mesh (frozen weights FSDP-split, batch split over data and
+    fsdp, LoRA and optimizer state replicated), and the context the step is traced in."""
+
+    mesh: object | None
+
+    @property
+    def replicated(self):
+        from jax.sharding import NamedSharding, PartitionSpec
+
+        return jax.devices()[0] if self.mesh is None else NamedSharding(self.mesh, PartitionSpec())
+
+    def frozen(self, frozen):
+        if self.mesh is None:
+            return frozen
+        from mxdit.sharding.mesh import param_shardings
+
+        return jax.device_put(frozen, param_shardings(frozen, self.mesh, ("fsdp",)))
+
+    def batch(self, batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
+        if self.mesh is None:
+            return batch
+        from jax.sharding import NamedSharding, PartitionSpec
+
+        # (k micro-batches, b examples, ...): the examples of each micro-batch split over data x fsdp
+        def split(x):
+            return NamedSharding(self.mesh, PartitionSpec(None, ("data", "fsdp"), *([None] * (np.ndim(x) - 2))))
+
+        return {name: jax.device_put(x, self.replicated if name == "position_ids" else split(x))
+                for name, x in batch.items()}
+
+    def context(self):
+        if self.mesh is None:
+            return contextlib.nullcontext()
+        from mxdit.sharding.mesh import activation_rules
+
+        return activation_rules(self.mesh)
 
 
 class _Validator:
