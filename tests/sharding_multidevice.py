@@ -91,6 +91,7 @@ def reference(model):
     ("seq=8", True, None, "replicated"),     # Ulysses, one query head and one KV head per device
     ("seq=8", True, "ring", "replicated"),
     ("cfg=2", True, None, "replicated"),
+    ("data=2", False, None, "replicated"),   # data parallel alone: the batch of 2 prompts split
     ("data=2,cfg=2,seq=2", True, None, "replicated"),
     ("data=2,seq=4", False, None, "sharded"),  # data parallel without CFG; weights spread over all 8 devices
 ])
