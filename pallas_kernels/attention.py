@@ -2,8 +2,8 @@
 portable Pallas kernel (Triton lowering) that computes it.
 
 The kernels must agree with `int8_attention_reference`, which CPU tests also measure against exact attention. Still
-to come (issue #8): the Mosaic GPU kernel, FP8 P.V in the kernel, the fused RMSNorm+RoPE+quantize prologue, and GPU
-timings. The recipe (`../shared/reference/formats_and_kernels.md`):
+to come (issue #8): the Mosaic GPU kernel (the Triton one reaches about half of cuDNN's speed on the H200, NOTES.md)
+and the fused RMSNorm+RoPE+quantize prologue. The recipe (`../shared/reference/formats_and_kernels.md`):
 
 - K smoothing: the mean of K over the key sequence (per head and channel) is subtracted. Softmax is invariant to a
   per-row constant, so the output is unchanged, while the channel outliers real DiTs have in K stop dominating the
@@ -102,11 +102,15 @@ def int8_attention_reference(q: jax.Array, k: jax.Array, v: jax.Array, *, kv_len
 # The portable kernel: Pallas with the Triton lowering (INT8 dots with INT32 accumulation), bf16 P.V
 
 
-def int8_attention(q, k, v, *, kv_lengths=None, block_q: int = 64, block_k: int = 64, scale: float | None = None,
-                   interpret: bool = False, num_warps: int = 4, num_stages: int = 2) -> jax.Array:
-    """INT8-QK attention, bf16 P.V, through Pallas' Triton lowering; same arguments and result as
-    `int8_attention_reference(..., pv="bf16")` (online softmax instead of a full one: equal up to rounding).
+def int8_attention(q, k, v, *, kv_lengths=None, pv: str = "bf16", block_q: int = 64, block_k: int = 64,
+                   scale: float | None = None, interpret: bool = False, num_warps: int = 4,
+                   num_stages: int = 2) -> jax.Array:
+    """INT8-QK attention through Pallas' Triton lowering; same arguments and result as `int8_attention_reference`
+    (online softmax instead of a full one: equal up to rounding).
 
+    pv "bf16": P.V in bf16. "fp8": V per channel in E4M3 (scale amax / 448, over the valid keys), P (the running,
+    unnormalised exponentials, in [0, 1]) times 448 in E4M3; each key block's FP8 product accumulates in float32 in
+    the dot, then adds into the float32 accumulator (two-level accumulation); the V scale is applied once at the end.
     The grid is (batch * heads, query blocks); each program walks the key blocks up to its batch element's length.
     GQA reads KV head n // group through the index maps, so K/V are never repeated in memory."""
     from jax.experimental import pallas as pl
@@ -115,8 +119,16 @@ def int8_attention(q, k, v, *, kv_lengths=None, block_q: int = 64, block_k: int 
     b, sq, h, d = q.shape
     sk = k.shape[1]
     group, scale = _heads_and_scale(q, k, scale)
+    if pv not in ("bf16", "fp8"):
+        raise ValueError(f"pv must be 'bf16' or 'fp8', got {pv!r}")
     qi, qs, ki, ks, v32, _ = _prologue(q, k, v, kv_lengths, block_q, block_k, scale)
-    vb = v32.astype(jnp.bfloat16)
+    if pv == "fp8":  # masked keys were zeroed by the prologue, so they do not enter the channel range
+        v_amax = jnp.max(jnp.abs(v32), axis=1)  # (batch, kv_heads, dim)
+        v_scale = jnp.where(v_amax > 0, v_amax / 448.0, 1.0)
+        vb = (v32 / v_scale[:, None]).astype(jnp.float8_e4m3fn)
+    else:
+        v_scale = jnp.ones((b, k.shape[2], d), jnp.float32)
+        vb = v32.astype(jnp.bfloat16)
     lengths = jnp.full((b,), sk, jnp.int32) if kv_lengths is None else kv_lengths.astype(jnp.int32)
     pad_q, pad_k = (-sq) % block_q, (-sk) % block_k
     # (batch, heads, seq, dim) layouts padded to whole blocks; scales (batch, heads, blocks)
@@ -126,7 +138,7 @@ def int8_attention(q, k, v, *, kv_lengths=None, block_q: int = 64, block_k: int 
     qs, ks = qs.transpose(0, 2, 1), ks.transpose(0, 2, 1)
     n_q, n_k = qi.shape[2] // block_q, ki.shape[2] // block_k
 
-    def kernel(lengths_ref, q_ref, qs_ref, k_ref, ks_ref, v_ref, o_ref):
+    def kernel(lengths_ref, q_ref, qs_ref, k_ref, ks_ref, v_ref, vs_ref, o_ref):
         bh, iq = pl.program_id(0), pl.program_id(1)
         length = lengths_ref[bh // h]
         q_blk = q_ref[0, 0]  # (block_q, d) int8
@@ -145,14 +157,19 @@ def int8_attention(q, k, v, *, kv_lengths=None, block_q: int = 64, block_k: int 
             p = jnp.exp(s - m_new[:, None])
             l_new = l * alpha + jnp.sum(p, axis=1)
             v_blk = v_ref[0, 0, pl.ds(start, block_k), :]
-            acc = acc * alpha[:, None] + jnp.dot(p.astype(jnp.bfloat16), v_blk, preferred_element_type=jnp.float32)
+            if pv == "fp8":
+                pv_blk = jnp.dot((p * 448.0).astype(jnp.float8_e4m3fn), v_blk, preferred_element_type=jnp.float32)
+                pv_blk = pv_blk * (1.0 / 448.0)
+            else:
+                pv_blk = jnp.dot(p.astype(jnp.bfloat16), v_blk, preferred_element_type=jnp.float32)
+            acc = acc * alpha[:, None] + pv_blk
             return m_new, l_new, acc
 
         init = (jnp.full((block_q,), -jnp.inf, jnp.float32), jnp.zeros((block_q,), jnp.float32),
                 jnp.zeros((block_q, d), jnp.float32))
         n_blocks = (length + block_k - 1) // block_k
         _, l, acc = jax.lax.fori_loop(0, n_blocks, body, init)
-        o_ref[0, 0] = (acc / l[:, None]).astype(o_ref.dtype)
+        o_ref[0, 0] = (acc / l[:, None] * vs_ref[0, 0][None, :]).astype(o_ref.dtype)
 
     kv_head = lambda bh: (bh // h, (bh % h) // group)
     out = pl.pallas_call(
@@ -165,10 +182,11 @@ def int8_attention(q, k, v, *, kv_lengths=None, block_q: int = 64, block_k: int 
             pl.BlockSpec((1, 1, ki.shape[2], d), lambda bh, iq: (*kv_head(bh), 0, 0)),
             pl.BlockSpec((1, 1, n_k), lambda bh, iq: (*kv_head(bh), 0)),
             pl.BlockSpec((1, 1, vb.shape[2], d), lambda bh, iq: (*kv_head(bh), 0, 0)),
+            pl.BlockSpec((1, 1, d), lambda bh, iq: (*kv_head(bh), 0)),
         ],
         out_specs=pl.BlockSpec((1, 1, block_q, d), lambda bh, iq: (bh // h, bh % h, iq, 0)),
         out_shape=jax.ShapeDtypeStruct((b, h, n_q * block_q, d), jnp.float32),
         compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
-    )(lengths, qi, qs, ki, ks, vb)
+    )(lengths, qi, qs, ki, ks, vb, v_scale)
     return out[:, :, :sq].transpose(0, 2, 1, 3)

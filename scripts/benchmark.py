@@ -753,10 +753,12 @@ def jax_attention(args) -> list[dict]:
                 f"jax XLA bf16, {tag}": lambda q, k, v: jax.nn.dot_product_attention(
                     q, k, v, key_value_seq_lengths=lengths, implementation="xla"),
             }
-            for bq, bk, warps, stages in args.int8_configs:
-                variants[f"int8-QK bf16-PV triton q{bq} k{bk} w{warps} s{stages}, {tag}"] = (
-                    lambda q, k, v, bq=bq, bk=bk, warps=warps, stages=stages: attention.int8_attention(
-                        q, k, v, kv_lengths=lengths, block_q=bq, block_k=bk, num_warps=warps, num_stages=stages))
+            for pv in ("bf16", "fp8"):
+                for bq, bk, warps, stages in args.int8_configs:
+                    variants[f"int8-QK {pv}-PV triton q{bq} k{bk} w{warps} s{stages}, {tag}"] = (
+                        lambda q, k, v, bq=bq, bk=bk, warps=warps, stages=stages, pv=pv: attention.int8_attention(
+                            q, k, v, kv_lengths=lengths, pv=pv, block_q=bq, block_k=bk, num_warps=warps,
+                            num_stages=stages))
             for name, fn in variants.items():
                 row = {"name": name}
                 try:

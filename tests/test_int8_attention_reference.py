@@ -82,21 +82,29 @@ def test_bad_arguments_are_named():
 # -- the Pallas kernel (Triton lowering) in interpret mode ---------------------------------------------------------
 
 
-@pytest.mark.parametrize("d, h, hk, sq, sk, lengths", [
-    (64, 4, 2, 100, 130, [130, 70]),   # GQA 2:1, lengths not multiples of the blocks, a padded batch element
-    (128, 2, 2, 64, 64, None),          # head_dim 128, no mask
+@pytest.mark.parametrize("d, h, hk, sq, sk, lengths, pv", [
+    (64, 4, 2, 100, 130, [130, 70], "bf16"),  # GQA 2:1, lengths not multiples of the blocks, a padded batch element
+    (128, 2, 2, 64, 64, None, "bf16"),         # head_dim 128, no mask
+    (64, 4, 2, 100, 130, [130, 70], "fp8"),
+    (128, 2, 2, 64, 64, None, "fp8"),
 ])
-def test_pallas_kernel_matches_the_reference_in_interpret_mode(d, h, hk, sq, sk, lengths):
+def test_pallas_kernel_matches_the_reference_in_interpret_mode(d, h, hk, sq, sk, lengths, pv):
     from mxdit.pallas_kernels.attention import int8_attention
 
     q, k, v = inputs(5, sq=sq, sk=sk, h=h, hk=hk, d=d, k_outlier=20.0)
     kv = None if lengths is None else jnp.asarray(lengths)
-    out = int8_attention(q, k, v, kv_lengths=kv, interpret=True)
-    ref = int8_attention_reference(q, k, v, kv_lengths=kv, block_q=64, block_k=64)
+    out = int8_attention(q, k, v, kv_lengths=kv, pv=pv, interpret=True)
+    ref = int8_attention_reference(q, k, v, kv_lengths=kv, pv=pv, block_q=64, block_k=64)
     assert out.shape == q.shape
-    # online softmax with bf16 P of the running (unnormalised) exponentials vs the reference's normalised P
-    assert relative_l1(out, ref) <= 5e-3
-    assert cosine(out, exact(q, k, v, kv)) >= 0.999 and relative_l1(out, exact(q, k, v, kv)) <= BOUNDS["bf16"]
+    truth = exact(q, k, v, kv)
+    # The kernel rounds P of the running (unnormalised) exponentials, the reference the normalised P. In bf16 the
+    # two agree closely; in FP8 each carries its own P rounding (measured 0.033-0.034 apart, each ~0.035-0.038 from
+    # exact), so there the kernel must be at least as accurate as the reference (it is: 0.035 vs 0.038).
+    if pv == "bf16":
+        assert relative_l1(out, ref) <= 5e-3
+    else:
+        assert relative_l1(out, truth) <= 1.02 * relative_l1(ref, truth)
+    assert cosine(out, truth) >= 0.999 and relative_l1(out, truth) <= BOUNDS[pv]
 
 
 def test_krea2_transformer_runs_on_the_int8_attention_kernel():
