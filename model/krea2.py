@@ -22,7 +22,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from .layers import Linear, apply_rotary, attention, attention_implementation, rotary_tables, shard_activation
+from .layers import (Linear, apply_rotary, attention, attention_implementation, int8_attention_from_projections,
+                     rotary_tables, shard_activation)
 from .loading import CheckpointError, config_from_dict, load_state, open_checkpoint, read_json
 
 AttentionImpl = Literal["xla", "cudnn", "int8"]
@@ -118,14 +119,20 @@ class Attention(nnx.Module):
         keys (the caller orders padded tokens last). `implementation`: a kernel name or an `AttentionFn`. Returns
         (batch, seq, dim)."""
         batch, seq, _ = x.shape
-        q = self.norm_q(self.to_q(x).reshape(batch, seq, self.num_heads, self.head_dim))
-        k = self.norm_k(self.to_k(x).reshape(batch, seq, self.num_kv_heads, self.head_dim))
+        q = self.to_q(x).reshape(batch, seq, self.num_heads, self.head_dim)
+        k = self.to_k(x).reshape(batch, seq, self.num_kv_heads, self.head_dim)
         v = self.to_v(x).reshape(batch, seq, self.num_kv_heads, self.head_dim)
-        if rotary is not None:
-            q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
         # GQA without repeating K/V: query head n reads KV head n // (num_heads // num_kv_heads), which is what
         # diffusers' repeat_interleave of the KV heads computes.
-        out = attention(q, k, v, kv_lengths, implementation)
+        if implementation == "int8" and rotary is not None:
+            # The kernel's prologue normalises, rotates and quantizes Q and K in one pass.
+            out = int8_attention_from_projections(q, k, v, self.norm_q.weight[...], self.norm_k.weight[...],
+                                                  self.norm_q.eps, rotary, kv_lengths)
+        else:
+            q, k = self.norm_q(q), self.norm_k(k)
+            if rotary is not None:
+                q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
+            out = attention(q, k, v, kv_lengths, implementation)
         out = out.reshape(batch, seq, -1) * jax.nn.sigmoid(self.to_gate(x))
         return self.to_out[0](out)
 

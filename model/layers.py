@@ -38,6 +38,18 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, kv_lengths: jax.Array | 
     return jax.nn.dot_product_attention(q, k, v, key_value_seq_lengths=kv_lengths, implementation=implementation)
 
 
+def int8_attention_from_projections(q, k, v, norm_q: jax.Array, norm_k: jax.Array, eps: float,
+                                    rotary: tuple[jax.Array, jax.Array], kv_lengths: jax.Array | None) -> jax.Array:
+    """The "int8" kernel with its fused prologue: q and k straight from their projections; the per-head RMSNorm
+    (weights `norm_q`, `norm_k`, zero-centred scale), the rotary embedding and the INT8 quantization run in one pass
+    (pallas_kernels/attention.py). Shapes as `attention`; returns q's dtype."""
+    from mxdit.pallas_kernels.attention import int8_attention_fused
+
+    out = int8_attention_fused(q, k, v, norm_q, norm_k, eps, *rotary, kv_lengths=kv_lengths,
+                               interpret=jax.default_backend() != "gpu")
+    return out.astype(q.dtype)
+
+
 def shard_activation(x: jax.Array, *axes: str | None) -> jax.Array:
     """A named sharding constraint: `axes` names each dimension of x logically ("batch", "sequence") or None.
 

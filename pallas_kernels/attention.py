@@ -113,21 +113,30 @@ def int8_attention(q, k, v, *, kv_lengths=None, pv: str = "bf16", block_q: int =
     the dot, then adds into the float32 accumulator (two-level accumulation); the V scale is applied once at the end.
     The grid is (batch * heads, query blocks); each program walks the key blocks up to its batch element's length.
     GQA reads KV head n // group through the index maps, so K/V are never repeated in memory."""
-    from jax.experimental import pallas as pl
-    from jax.experimental.pallas import triton as pltriton
-
-    b, sq, h, d = q.shape
-    sk = k.shape[1]
-    group, scale = _heads_and_scale(q, k, scale)
+    _, scale = _heads_and_scale(q, k, scale)
     if pv not in ("bf16", "fp8"):
         raise ValueError(f"pv must be 'bf16' or 'fp8', got {pv!r}")
     qi, qs, ki, ks, v32, _ = _prologue(q, k, v, kv_lengths, block_q, block_k, scale)
+    return _int8_attention_kernel(qi, qs, ki, ks, v32, kv_lengths, pv=pv, block_q=block_q, block_k=block_k,
+                                  interpret=interpret, num_warps=num_warps, num_stages=num_stages)
+
+
+def _int8_attention_kernel(qi, qs, ki, ks, v32, kv_lengths, *, pv, block_q, block_k, interpret, num_warps,
+                           num_stages):
+    """The attention kernel on quantized Q and K (batch, seq, heads, dim) int8 with scales (batch, seq blocks,
+    heads), and V (batch, kv_len, kv_heads, dim) float32 with masked keys zeroed. Returns float32."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import triton as pltriton
+
+    b, sq, h, d = qi.shape
+    sk, hk = ki.shape[1], ki.shape[2]
+    group = h // hk
     if pv == "fp8":  # masked keys were zeroed by the prologue, so they do not enter the channel range
         v_amax = jnp.max(jnp.abs(v32), axis=1)  # (batch, kv_heads, dim)
         v_scale = jnp.where(v_amax > 0, v_amax / 448.0, 1.0)
         vb = (v32 / v_scale[:, None]).astype(jnp.float8_e4m3fn)
     else:
-        v_scale = jnp.ones((b, k.shape[2], d), jnp.float32)
+        v_scale = jnp.ones((b, hk, d), jnp.float32)
         vb = v32.astype(jnp.bfloat16)
     lengths = jnp.full((b,), sk, jnp.int32) if kv_lengths is None else kv_lengths.astype(jnp.int32)
     pad_q, pad_k = (-sq) % block_q, (-sk) % block_k
@@ -190,3 +199,135 @@ def int8_attention(q, k, v, *, kv_lengths=None, pv: str = "bf16", block_q: int =
         interpret=interpret,
     )(lengths, qi, qs, ki, ks, vb, v_scale)
     return out[:, :, :sq].transpose(0, 2, 1, 3)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# The fused prologue: per-head RMSNorm, rotary embedding, K smoothing and INT8 quantization in one pass
+
+
+def rms_rope_reference(x: jax.Array, norm_weight: jax.Array, eps: float, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """What the models do to Q and K before attention, in float32 throughout: RMSNorm over head_dim with the
+    zero-centred scale (`1 + weight`), then the rotary embedding of interleaved channel pairs.
+
+    x: (batch, seq, heads, head_dim); norm_weight: (head_dim,); cos, sin: (seq, head_dim) or (batch, seq, head_dim),
+    each frequency repeated for its pair (model/layers.py's tables). Returns float32 of x's shape."""
+    x32 = x.astype(jnp.float32)
+    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps) * (1.0 + norm_weight)
+    real, imag = y[..., 0::2], y[..., 1::2]
+    rotated = jnp.stack([-imag, real], axis=-1).reshape(y.shape)
+    return y * cos[..., None, :] + rotated * sin[..., None, :]
+
+
+def _deinterleave(x: jax.Array) -> jax.Array:
+    """Channels [0, 1, 2, 3, ...] -> [0, 2, ..., 1, 3, ...]: the order the fused prologue writes Q and K in. Q.K^T
+    does not depend on the channel order as long as Q and K share it."""
+    return jnp.concatenate([x[..., 0::2], x[..., 1::2]], axis=-1)
+
+
+def int8_qk_prologue(q, k, norm_q, norm_k, eps: float, cos, sin, kv_lengths=None, *, scale: float,
+                     block_q: int = 64, block_k: int = 64, smooth_k: bool = True, interpret: bool = False):
+    """Fused RMSNorm + rotary + (K: smoothing, masking) + INT8 block quantization of raw Q and K projections.
+
+    q: (batch, seq, heads, head_dim), k: (batch, seq, kv_heads, head_dim) as the projections give them (before the
+    norms); norm_q, norm_k: (head_dim,) RMSNorm weights; cos, sin as `rms_rope_reference`. One kernel pass over Q
+    and one over K; K's mean over the valid keys (for smoothing) takes one XLA pass before it. Returns qi, qs, ki, ks
+    as `_prologue` does (int8 values, float32 scales (batch, seq blocks, heads)), with channels in the order of
+    `_deinterleave`.
+    """
+    b, s, h, d = q.shape
+    hk = k.shape[2]
+    cos = jnp.broadcast_to(cos, (b, s, d)).astype(jnp.float32)[..., 0::2]  # pairs share a frequency: half the table
+    sin = jnp.broadcast_to(sin, (b, s, d)).astype(jnp.float32)[..., 0::2]
+    valid = jnp.ones((b, s), bool) if kv_lengths is None else jnp.arange(s)[None, :] < kv_lengths[:, None]
+    k_mean = jnp.zeros((b, hk, d), jnp.float32)
+    if smooth_k:
+        k32 = jnp.where(valid[:, :, None, None], rms_rope_reference(k, norm_k, eps, *_full_tables(cos, sin)), 0.0)
+        k_mean = jnp.sum(k32, axis=1) / jnp.maximum(valid.sum(axis=1), 1)[:, None, None]
+    lengths = jnp.full((b,), s, jnp.int32) if kv_lengths is None else kv_lengths.astype(jnp.int32)
+    q_mean = jnp.zeros((b, h, d), jnp.float32)
+    qi, qs = _rms_rope_quantize(q, norm_q, eps, cos, sin, q_mean, None, scale, block_q, interpret)
+    ki, ks = _rms_rope_quantize(k, norm_k, eps, cos, sin, _deinterleave(k_mean), lengths, 1.0, block_k, interpret)
+    return qi, qs, ki, ks
+
+
+def _full_tables(cos_half, sin_half):
+    return jnp.repeat(cos_half, 2, axis=-1), jnp.repeat(sin_half, 2, axis=-1)
+
+
+def _rms_rope_quantize(x, weight, eps, cos_half, sin_half, mean, lengths, multiplier, block, interpret):
+    """The kernel: a program per (batch, block of `block` tokens, head)."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import triton as pltriton
+
+    b, s, h, d = x.shape
+    half = d // 2
+    pad = (-s) % block
+    if pad:  # zero rows: they contribute nothing to a block's amax
+        x = jnp.pad(x, ((0, 0), (0, pad), (0, 0), (0, 0)))
+        cos_half = jnp.pad(cos_half, ((0, 0), (0, pad), (0, 0)))
+        sin_half = jnp.pad(sin_half, ((0, 0), (0, pad), (0, 0)))
+    n_blocks = (s + pad) // block
+    w = (1.0 + weight.astype(jnp.float32))
+    w_even, w_odd = w[0::2], w[1::2]
+    mean_even, mean_odd = mean[..., :half], mean[..., half:]
+    masked = lengths is not None
+    lengths = jnp.full((b,), s, jnp.int32) if lengths is None else lengths
+
+    def kernel(lengths_ref, x_ref, c_ref, s_ref, we_ref, wo_ref, me_ref, mo_ref, q_ref, scale_ref):
+        bi, si = pl.program_id(0), pl.program_id(1)
+        even = x_ref[:, pl.ds(0, half, stride=2)].astype(jnp.float32)  # (block, half): the real parts
+        odd = x_ref[:, pl.ds(1, half, stride=2)].astype(jnp.float32)  # the imaginary parts
+        inv = jax.lax.rsqrt((jnp.sum(even * even, axis=1) + jnp.sum(odd * odd, axis=1)) / d + eps)
+        even = even * inv[:, None] * we_ref[...][None, :]
+        odd = odd * inv[:, None] * wo_ref[...][None, :]
+        c, sn = c_ref[...], s_ref[...]
+        real = (even * c - odd * sn - me_ref[...][None, :]) * multiplier
+        imag = (odd * c + even * sn - mo_ref[...][None, :]) * multiplier
+        if masked:  # masked keys are zeroed: they must not enter the block's scale
+            rows = si * block + jax.lax.broadcasted_iota(jnp.int32, (block, half), 0)
+            keep = rows < lengths_ref[bi]
+            real, imag = jnp.where(keep, real, 0.0), jnp.where(keep, imag, 0.0)
+        amax = jnp.maximum(jnp.max(jnp.abs(real)), jnp.max(jnp.abs(imag)))
+        step = jnp.where(amax > 0, amax / 127.0, 1.0)
+        q_ref[:, pl.ds(0, half)] = jnp.clip(jnp.round(real / step), -127, 127).astype(jnp.int8)
+        q_ref[:, pl.ds(half, half)] = jnp.clip(jnp.round(imag / step), -127, 127).astype(jnp.int8)
+        scale_ref[...] = step
+
+    qi, qs = pl.pallas_call(
+        kernel,
+        grid=(b, n_blocks, h),
+        in_specs=[
+            pl.no_block_spec,
+            pl.BlockSpec((None, block, None, d), lambda bi, si, hi: (bi, si, hi, 0)),
+            pl.BlockSpec((None, block, half), lambda bi, si, hi: (bi, si, 0)),
+            pl.BlockSpec((None, block, half), lambda bi, si, hi: (bi, si, 0)),
+            pl.BlockSpec((half,), lambda bi, si, hi: (0,)),
+            pl.BlockSpec((half,), lambda bi, si, hi: (0,)),
+            pl.BlockSpec((None, None, half), lambda bi, si, hi: (bi, hi, 0)),
+            pl.BlockSpec((None, None, half), lambda bi, si, hi: (bi, hi, 0)),
+        ],
+        out_specs=[pl.BlockSpec((None, block, None, d), lambda bi, si, hi: (bi, si, hi, 0)),
+                   pl.BlockSpec((None, None, None), lambda bi, si, hi: (bi, si, hi))],
+        out_shape=[jax.ShapeDtypeStruct((b, s + pad, h, d), jnp.int8),
+                   jax.ShapeDtypeStruct((b, n_blocks, h), jnp.float32)],
+        compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=2),
+        interpret=interpret,
+    )(lengths, x, cos_half, sin_half, w_even, w_odd, mean_even, mean_odd)
+    return qi[:, :s], qs
+
+
+def int8_attention_fused(q, k, v, norm_q, norm_k, eps: float, cos, sin, *, kv_lengths=None, pv: str = "bf16",
+                         block_q: int = 64, block_k: int = 64, scale: float | None = None, interpret: bool = False,
+                         num_warps: int = 4, num_stages: int = 2) -> jax.Array:
+    """`int8_attention` of the normed and rotated Q and K, from the raw projections: the fused prologue
+    (`int8_qk_prologue`) replaces the models' RMSNorm and rotary steps and the quantization pass. Arguments as
+    `int8_qk_prologue` and `int8_attention`; returns float32 (batch, seq, heads, head_dim)."""
+    _, scale = _heads_and_scale(q, k, scale)
+    if pv not in ("bf16", "fp8"):
+        raise ValueError(f"pv must be 'bf16' or 'fp8', got {pv!r}")
+    qi, qs, ki, ks = int8_qk_prologue(q, k, norm_q, norm_k, eps, cos, sin, kv_lengths, scale=scale, block_q=block_q,
+                                      block_k=block_k, interpret=interpret)
+    valid = jnp.ones(k.shape[:2], bool) if kv_lengths is None else jnp.arange(k.shape[1])[None] < kv_lengths[:, None]
+    v32 = jnp.where(valid[:, :, None, None], v.astype(jnp.float32), 0.0)
+    return _int8_attention_kernel(qi, qs, ki, ks, v32, kv_lengths, pv=pv, block_q=block_q, block_k=block_k,
+                                  interpret=interpret, num_warps=num_warps, num_stages=num_stages)

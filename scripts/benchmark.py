@@ -759,17 +759,33 @@ def jax_attention(args) -> list[dict]:
                         lambda q, k, v, bq=bq, bk=bk, warps=warps, stages=stages, pv=pv: attention.int8_attention(
                             q, k, v, kv_lengths=lengths, pv=pv, block_q=bq, block_k=bk, num_warps=warps,
                             num_stages=stages))
+            # From raw projections: XLA's RMSNorm + rotary then cuDNN, against the INT8 kernel with its fused prologue.
+            norm = jnp.zeros((d,), jnp.float32)
+            angles = jnp.arange(s)[:, None] * (1.0 / 10000 ** (jnp.arange(0, d, 2) / d))
+            cos, sin = jnp.repeat(jnp.cos(angles), 2, -1), jnp.repeat(jnp.sin(angles), 2, -1)
+            variants[f"XLA RMSNorm+rotary, then jax cuDNN bf16, {tag}"] = lambda q, k, v: jax.nn.dot_product_attention(
+                attention.rms_rope_reference(q, norm, 1e-6, cos, sin).astype(jnp.bfloat16),
+                attention.rms_rope_reference(k, norm, 1e-6, cos, sin).astype(jnp.bfloat16), v,
+                key_value_seq_lengths=lengths, implementation="cudnn")
+            for pv in ("bf16", "fp8"):
+                variants[f"int8-QK {pv}-PV triton with fused RMSNorm+rotary+quantize prologue, {tag}"] = (
+                    lambda q, k, v, pv=pv: attention.int8_attention_fused(q, k, v, norm, norm, 1e-6, cos, sin,
+                                                                          kv_lengths=lengths, pv=pv))
+            exact_normed = jax.jit(lambda q, k, v: jax.nn.dot_product_attention(
+                attention.rms_rope_reference(q, norm, 1e-6, cos, sin), attention.rms_rope_reference(k, norm, 1e-6, cos, sin),
+                v.astype(jnp.float32), key_value_seq_lengths=lengths, implementation="xla"))(q, k, v)
             for name, fn in variants.items():
+                truth = exact_normed if "RMSNorm" in name else exact
                 row = {"name": name}
                 try:
                     f = jax.jit(fn)
                     out = jax.block_until_ready(f(q, k, v)).astype(jnp.float32)
                     seconds, kernels = _cupti_seconds(f, q, k, v, iterations=args.iters, by_kernel=True)
-                    diff = (out - exact).ravel()
+                    diff = (out - truth).ravel()
                     row.update(s=seconds, tflops=flops / seconds / 1e12, kernels=kernels,
-                               cosine=float(jnp.dot(out.ravel(), exact.ravel())
-                                            / (jnp.linalg.norm(out) * jnp.linalg.norm(exact))),
-                               rel_l1=float(jnp.sum(jnp.abs(diff)) / jnp.sum(jnp.abs(exact))))
+                               cosine=float(jnp.dot(out.ravel(), truth.ravel())
+                                            / (jnp.linalg.norm(out) * jnp.linalg.norm(truth))),
+                               rel_l1=float(jnp.sum(jnp.abs(diff)) / jnp.sum(jnp.abs(truth))))
                 except Exception as e:
                     row["error"] = f"{type(e).__name__}: {' '.join(str(e).split())[:400]}"
                 print(json.dumps(row), flush=True)

@@ -131,3 +131,49 @@ def test_krea2_transformer_runs_on_the_int8_attention_kernel():
     quantized = model(*args)
     assert cosine(quantized, reference) > 0.999
     assert relative_l1(quantized, reference) < BOUNDS["bf16"]
+
+
+# -- the fused prologue: RMSNorm + rotary + K smoothing + INT8 quantization in one kernel -----------------------------
+
+
+def _raw_projections(seed, b=2, s=100, h=4, hk=2, d=64, batched_tables=False):
+    rng = np.random.default_rng(seed)
+    q = jnp.asarray(rng.standard_normal((b, s, h, d)) * 3, jnp.float32)
+    k = jnp.asarray(rng.standard_normal((b, s, hk, d)) * 3 + 5.0 * (np.arange(d) == 6), jnp.float32)
+    v = jnp.asarray(rng.standard_normal((b, s, hk, d)), jnp.float32)
+    norms = [jnp.asarray(rng.standard_normal(d) * 0.1, jnp.float32) for _ in range(2)]
+    positions = np.arange(s)[None, :] + (np.arange(b)[:, None] * 7 if batched_tables else 0)
+    angles = positions[..., None] * (1.0 / 100 ** (np.arange(0, d, 2) / d))
+    cos, sin = (jnp.asarray(np.repeat(f(angles), 2, -1), jnp.float32) for f in (np.cos, np.sin))
+    if not batched_tables:
+        cos, sin = cos[0], sin[0]
+    return q, k, v, norms, cos, sin
+
+
+@pytest.mark.parametrize("batched_tables", [False, True])
+def test_fused_prologue_gives_the_codes_of_the_separate_steps(batched_tables):
+    from mxdit.pallas_kernels import attention as A
+
+    q, k, v, (nq, nk), cos, sin = _raw_projections(7, batched_tables=batched_tables)
+    lengths = jnp.asarray([100, 61])
+    qn, kn = A.rms_rope_reference(q, nq, 1e-6, cos, sin), A.rms_rope_reference(k, nk, 1e-6, cos, sin)
+    qi, qs, ki, ks = A.int8_qk_prologue(q, k, nq, nk, 1e-6, cos, sin, lengths, scale=64**-0.5, interpret=True)
+    qi2, qs2, ki2, ks2, _, _ = A._prologue(A._deinterleave(qn), A._deinterleave(kn), v, lengths, 64, 64, 64**-0.5)
+    # Same INT8 codes (measured: all equal) and block scales up to float32 rounding of the block maxima.
+    assert np.mean(np.asarray(qi) != np.asarray(qi2)) < 1e-3 and np.mean(np.asarray(ki) != np.asarray(ki2)) < 1e-3
+    np.testing.assert_allclose(qs, qs2, rtol=1e-6)
+    np.testing.assert_allclose(ks, ks2, rtol=1e-6)
+
+
+@pytest.mark.parametrize("pv", ["bf16", "fp8"])
+def test_fused_attention_matches_attention_of_normed_rotated_inputs(pv):
+    from mxdit.pallas_kernels import attention as A
+
+    q, k, v, (nq, nk), cos, sin = _raw_projections(8)
+    lengths = jnp.asarray([100, 61])
+    out = A.int8_attention_fused(q, k, v, nq, nk, 1e-6, cos, sin, kv_lengths=lengths, pv=pv, interpret=True)
+    qn, kn = A.rms_rope_reference(q, nq, 1e-6, cos, sin), A.rms_rope_reference(k, nk, 1e-6, cos, sin)
+    unfused = A.int8_attention(qn, kn, v, kv_lengths=lengths, pv=pv, interpret=True)
+    truth = exact(qn, kn, v, lengths)
+    assert relative_l1(out, unfused) <= 1e-3  # the same codes, so the same attention up to summation order
+    assert cosine(out, truth) >= 0.999 and relative_l1(out, truth) <= BOUNDS[pv]
