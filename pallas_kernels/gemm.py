@@ -49,14 +49,15 @@ WEIGHT_FORMATS = ("fp8_e4m3", "mxfp8_e4m3", "mxfp6_e2m3", "mxfp6_e3m2", "mxfp4_e
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["data", "scale", "high_bits"],
-                   meta_fields=["fmt", "layout", "n", "k"])
+                   meta_fields=["fmt", "layout", "n", "k", "scale_rows"])
 @dataclasses.dataclass(frozen=True)
 class GemmWeight:
     """A weight (n, k) (PyTorch's (out, in) layout) in the form a backend reads.
 
     layout:
         "channel": `data` (n, k) FP8/INT8, `scale` (n,) float32.
-        "block":   `data` (n, k) FP8 E4M3, `scale` (k / 128, n) float32 (one per channel and 128-wide K block).
+        "block":   `data` (n, k) FP8 E4M3, `scale` (k / 128, n) float32 (one per channel and 128-wide K block; equal
+                   over runs of `scale_rows` channels when the MX fold was made per `scale_rows` x 128 tile).
         "mx":      packed codes for the Triton kernel (`pack_mx_for_kernel`): `data` (n, k / 2) uint8 low nibbles,
                    `high_bits` (n, k / 4) uint8 (FP6 only), or `data` (n, k) FP8 for MXFP8; `scale` (n, k / 32) uint8
                    E8M0 exponents.
@@ -70,6 +71,7 @@ class GemmWeight:
     layout: str
     n: int
     k: int
+    scale_rows: int = 1
 
 
 def _pad_k(x: jax.Array, multiple: int = BLOCK_K) -> jax.Array:
@@ -77,9 +79,12 @@ def _pad_k(x: jax.Array, multiple: int = BLOCK_K) -> jax.Array:
     return jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, pad)]) if pad else x
 
 
-def prepare_weight(w: jax.Array | QuantizedArray, fmt: str | None = None, *, backend: str = "mosaic") -> GemmWeight:
+def prepare_weight(w: jax.Array | QuantizedArray, fmt: str | None = None, *, backend: str = "mosaic",
+                   mx_fold_rows: int = 1) -> GemmWeight:
     """A weight for `scaled_matmul`: `w` (n, k) float (quantized here to `fmt`) or a `QuantizedArray` quantized along
-    k (axis -1), laid out for `backend` ("mosaic", "triton" or "reference": the reference takes either layout)."""
+    k (axis -1), laid out for `backend` ("mosaic", "triton" or "reference": the reference takes either layout).
+    `mx_fold_rows`: MX weights on the Mosaic path fold their exponents per `mx_fold_rows` x 128 tile (see
+    `fold_mx_weight`); 128 makes the kernel's promotion factor one number per tile."""
     if not isinstance(w, QuantizedArray):
         if fmt is None:
             raise ValueError("prepare_weight: give `fmt` for an unquantized weight")
@@ -95,8 +100,8 @@ def prepare_weight(w: jax.Array | QuantizedArray, fmt: str | None = None, *, bac
     if f.kind in ("fp8", "int8"):
         return GemmWeight(_pad_k(w.data), w.scale.reshape(n).astype(jnp.float32), None, w.fmt, "channel", n, kp)
     if backend == "mosaic":
-        data, scale = fold_mx_weight(w)
-        return GemmWeight(data, scale, None, w.fmt, "block", n, kp)
+        data, scale = fold_mx_weight(w, mx_fold_rows)
+        return GemmWeight(data, scale, None, w.fmt, "block", n, kp, mx_fold_rows)
     return pack_mx_for_kernel(w)
 
 
@@ -104,8 +109,12 @@ def _e8m0_exponents(scale: jax.Array) -> jax.Array:
     return jax.lax.bitcast_convert_type(scale, jnp.uint8).astype(jnp.int32) - 127
 
 
-def fold_mx_weight(w: QuantizedArray) -> tuple[jax.Array, jax.Array]:
+def fold_mx_weight(w: QuantizedArray, rows: int = 1) -> tuple[jax.Array, jax.Array]:
     """An MX weight (n, k) as E4M3 values (n, k') and float32 scales (k' / 128, n), k' = k rounded up to 128.
+
+    rows: how many consecutive output channels share a scale (1: per channel and 128-block; 128: per 128x128 tile,
+    as DeepGEMM scales weights, so a kernel tile of 128 channels promotes with one number; the exponent spread then
+    runs over 128 rows too, and `fold_mx_error` says what that costs).
 
     Each 128-block takes the scale 2^(e_max - shift) where e_max is the largest of its four 32-block exponents and
     `shift` lifts the element format's largest value as close to E4M3's 448 as a power of two allows (E2M1 x 64,
@@ -126,15 +135,19 @@ def fold_mx_weight(w: QuantizedArray) -> tuple[jax.Array, jax.Array]:
     shift = math.floor(math.log2(448.0 / f.element.max_normal))
     sub = BLOCK_K // MX_BLOCK
     e128 = jnp.max(exps.reshape(n, -1, sub), axis=-1)  # (n, kp128 / 128)
+    if rows > 1:  # the largest exponent over each run of `rows` channels (the last run may be shorter)
+        pad_rows = (-n) % rows
+        grouped = jnp.pad(e128, ((0, pad_rows), (0, 0)), constant_values=-127).reshape(-1, rows, e128.shape[1])
+        e128 = jnp.repeat(jnp.max(grouped, axis=1), rows, axis=0)[:n]
     d = jnp.repeat(e128, sub, axis=1) - exps
     folded = jnp.ldexp(values, (shift - d)[..., None]).reshape(n, kp128)
     scale = jnp.ldexp(jnp.float32(1.0), e128 - shift).T  # (kp128 / 128, n)
     return folded.astype(jnp.float8_e4m3fn), scale.astype(jnp.float32)
 
 
-def fold_mx_error(w: QuantizedArray) -> float:
+def fold_mx_error(w: QuantizedArray, rows: int = 1) -> float:
     """Relative L2 difference between an MX weight and its `fold_mx_weight` form (0.0 when the fold is exact)."""
-    data, scale = fold_mx_weight(w)
+    data, scale = fold_mx_weight(w, rows)
     kp = data.shape[1]
     folded = data.astype(jnp.float32).reshape(w.shape[0], kp // BLOCK_K, BLOCK_K) * scale.T[..., None]
     exact = _pad_k(w.dequantize(jnp.float32))
@@ -330,7 +343,7 @@ def default_mosaic_config(m: int, n: int, k: int, block_scaled: bool) -> MosaicC
 
 
 def _mosaic_gemm(x, x_scale, w_data, w_scale, bias, residual, gate, *, x_blocks, w_blocks, activation, out_dtype,
-                 config: MosaicConfig, interpret=False):
+                 config: MosaicConfig, w_scale_rows: int = 1, interpret=False):
     import jax.experimental.pallas as pl
     import jax.experimental.pallas.mosaic_gpu as plgpu
     from jax import lax
@@ -355,6 +368,7 @@ def _mosaic_gemm(x, x_scale, w_data, w_scale, bias, residual, gate, *, x_blocks,
     # Scales that vary along K (x_blocks: x per 1x128; w_blocks: w per channel and 128-block) travel with the
     # operand tiles and are applied at each promotion; the others wait for the epilogue.
     block_scaled = x_blocks or w_blocks
+    w_uniform = w_blocks and w_scale_rows % tn == 0  # tiles never straddle two runs of equal weight scales
     col_vectors = ([] if w_blocks else ["w_scale"]) + (["bias"] if has_bias else []) + (["gate"] if has_gate else [])
     n_barriers = len(col_vectors) + 2  # + row scales + residual tile
 
@@ -404,7 +418,9 @@ def _mosaic_gemm(x, x_scale, w_data, w_scale, bias, residual, gate, *, x_blocks,
                 if x_blocks:
                     sx = plgpu.load(scale_smems[0].at[0, wg_rows], layout=wgmma.reduce(1))
                     partial = partial * lax.broadcast_in_dim(sx, (tm, tn), [0])
-                if w_blocks:
+                if w_blocks and w_uniform:  # one weight scale for the whole tile: a scalar from shared memory
+                    partial = partial * scale_smems[-1][0, 0]
+                elif w_blocks:
                     sw = plgpu.load(scale_smems[-1].at[0], layout=wgmma.reduce(0))
                     partial = partial * lax.broadcast_in_dim(sw, (tm, tn), [1])
                 return acc + partial
@@ -696,5 +712,6 @@ def scaled_matmul(x: jax.Array, w: GemmWeight, x_scale: jax.Array | None = None,
         residual = None if residual is None else jnp.pad(residual, ((0, 0), (0, pn)))
     y = _mosaic_gemm(x, x_scale.astype(jnp.float32), data, ws.astype(jnp.float32), bias, residual, gate,
                      x_blocks=x_blocks, w_blocks=w_blocks, activation=activation, out_dtype=out_dtype, config=config,
+                     w_scale_rows=w.scale_rows,
                      interpret=interpret)
     return y[:m, : w.n]

@@ -629,6 +629,9 @@ def jax_gemm(args) -> list[dict]:
                 wq = gemm.prepare_weight(w, fmt, backend="mosaic")
                 ours(f"fp8 x per 1x128 block, w {fmt} folded to fp8 x 1x128", xb8, sxb, wq, "mosaic")
                 ours(f"fp8 x per token, w {fmt} folded to fp8 x 1x128", x8, sx, wq, "mosaic")
+                wq = gemm.prepare_weight(w, fmt, backend="mosaic", mx_fold_rows=128)
+                ours(f"fp8 x per token, w {fmt} folded to fp8 x 128x128", x8, sx, wq, "mosaic")
+                ours(f"fp8 x per 1x128 block, w {fmt} folded to fp8 x 128x128", xb8, sxb, wq, "mosaic")
             if shape == args.shapes[0]:
                 # The fused epilogue: residual + gate * gelu(x @ w^T + bias), against the reference.
                 kb, kg, kr = jax.random.split(jax.random.key(1), 3)

@@ -42,6 +42,17 @@ def test_mosaic_kernel_matches_the_definition(fmt, scaling):
     assert relative_l2(y, ref) < 1e-6
 
 
+@pytest.mark.parametrize("scaling", ["token", "block"])
+def test_mosaic_kernel_with_mx_folded_per_128x128_tile(scaling):
+    """One weight scale per 128x128 tile: the kernel promotes with a scalar."""
+    x, w = _operands(9)
+    wq = gemm.prepare_weight(w, "mxfp6_e2m3", backend="mosaic", mx_fold_rows=128)
+    assert wq.scale_rows == 128 and np.all(np.asarray(wq.scale)[:, :N] == np.asarray(wq.scale)[:, :1])
+    y, ref = _run("mosaic", x, wq, scaling)
+    assert relative_l2(y, ref) < 1e-6
+    assert gemm.fold_mx_error(quantize(w, "mxfp6_e2m3"), rows=128) == 0.0  # ordinary weights: still exact
+
+
 @pytest.mark.parametrize("fmt,scaling", [("fp8_e4m3", "token"), ("fp8_e4m3", "block"), ("mxfp8_e4m3", "token"),
                                          ("mxfp6_e2m3", "block"), ("mxfp6_e3m2", "token"), ("mxfp4_e2m1", "token"),
                                          ("int8", "token"), ("int8_rot", "token")])
