@@ -37,7 +37,6 @@ from .attention import Method, SequenceParallelAttention
 from .mesh import AXES, BATCH_AXES, activation_rules, batch_sharding, check_batch, describe, shard_params
 
 
-
 def pad_text(embeds: jax.Array, mask: jax.Array, position_ids: jax.Array, image_len: int,
              multiple: int) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Pad the text with masked tokens until text_len + image_len is a multiple of `multiple`.
