@@ -18,19 +18,14 @@ import sys
 import tempfile
 from pathlib import Path
 
-DTYPES = {"bf16": "bfloat16", "fp32": "float32"}
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line naming what is wrong, no usage dump
-        self.exit(2, f"{self.prog}: error: {message}\n")
+from mxdit.cli import DTYPES, OneLineErrorParser, add_device_arguments, check_device_arguments, mesh_from_arguments
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     from mxdit.training.lora import TARGET_PRESETS
     from mxdit.training.train import REMAT_POLICIES, TIMESTEP_SAMPLING
 
-    p = _Parser(prog="train_lora.py", description="Train a LoRA on Krea 2 from a folder of captioned images.")
+    p = OneLineErrorParser(prog="train_lora.py", description="Train a LoRA on Krea 2 from a folder of captioned images.")
     source = p.add_mutually_exclusive_group(required=True)
     source.add_argument("--model", type=Path, help="a diffusers-layout Krea 2 folder (Base, the non-distilled one)")
     source.add_argument("--demo", action="store_true", help="the built-in tiny model with RANDOM weights (CPU tests)")
@@ -76,18 +71,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     t.add_argument("--validation-prompt", action="append", default=[], help="repeat for several")
     t.add_argument("--validation-steps", type=int, default=None)
     t.add_argument("--no-progress", action="store_true")
-    t.add_argument("--mesh", default=None,
-                   help="devices by named axes, e.g. data=2,fsdp=4 (data parallel x FSDP); default one device")
-    t.add_argument("--distributed", action="store_true",
-                   help="call jax.distributed.initialize() first (one process per host, same command on each)")
+    add_device_arguments(t, "devices by named axes, e.g. data=2,fsdp=4 (data parallel x FSDP); default one device")
     args = p.parse_args(argv)
-    if args.mesh is not None:
-        from mxdit.sharding.mesh import parse_mesh
-
-        try:
-            parse_mesh(args.mesh)
-        except ValueError as e:
-            p.error(f"--mesh: {e}")
+    check_device_arguments(p, args)
 
     if args.model is not None and not args.model.is_dir():
         p.error(f"--model {args.model}: no such folder")
@@ -120,19 +106,8 @@ def main(argv=None) -> int:
     from mxdit.training.lora import LoraConfig, quantize_base
     from mxdit.training.train import TrainConfig, TrainError, train
 
-    if args.distributed:
-        import jax
-
-        jax.distributed.initialize()  # coordinator, process count and id from the launcher's environment
     try:
-        mesh = None
-        if args.mesh is not None:
-            from mxdit.sharding.mesh import make_mesh
-
-            try:
-                mesh = make_mesh(args.mesh)
-            except ValueError as e:
-                raise ValueError(f"--mesh: {e}") from None
+        mesh = mesh_from_arguments(args)
         lora_config = LoraConfig(rank=args.rank, alpha=args.alpha if args.alpha is not None else float(args.rank),
                                  dropout=args.dropout, targets=args.targets)
         config = TrainConfig(
