@@ -89,6 +89,15 @@ class LoRA(nnx.Module):
         self.dropout_key = nnx.data(None)
         self.merged = False
 
+    @classmethod
+    def from_matrices(cls, A: jax.Array, B: jax.Array, scale: float) -> "LoRA":
+        """An adapter with given matrices (a LoRA read from a file): A (rank, in), B (out, rank), float32."""
+        rank = A.shape[0]
+        lora = cls(A.shape[1], B.shape[0], LoraConfig(rank=rank, alpha=scale * rank), jax.random.key(0))
+        lora.A.set_value(jnp.asarray(A, jnp.float32))
+        lora.B.set_value(jnp.asarray(B, jnp.float32))
+        return lora
+
     def delta(self) -> jax.Array:
         """The update of the layer's weight, `scale * B @ A` (out, in), float32."""
         return self.scale * jnp.dot(self.B[...], self.A[...], precision=jax.lax.Precision.HIGHEST)
