@@ -732,6 +732,99 @@ def write_flux_pipeline(out: Path) -> None:
     print(f"wrote FLUX pipeline fixtures to {folder}")
 
 
+FLUX_LORA_TARGETS = ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out",
+                     "ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj", "ff_context.net.2", "proj_mlp",
+                     "single_transformer_blocks.0.proj_out", "single_transformer_blocks.1.proj_out", "norm1.linear",
+                     "norm_out.linear"]
+
+
+def write_flux_lora(out: Path) -> None:
+    """FLUX.1 LoRAs on the tiny FLUX pipeline's transformer: a PEFT LoRA saved by diffusers, and a kohya file in the
+    original layout (fused qkv, the final modulation's (shift, scale) order), each loaded by `load_lora_weights`,
+    with diffusers' transformer outputs. The kohya file has no single-block linear1 (diffusers' converter hard-codes
+    FLUX.1's width for it) and the final modulation without an alpha (diffusers' converter ignores that one), which
+    diffusers' loader then drops (see below)."""
+    from diffusers import FluxPipeline
+    from peft import LoraConfig
+    from peft.utils import get_peft_model_state_dict
+    from safetensors.torch import save_file
+
+    folder = out / "lora"
+    folder.mkdir(parents=True, exist_ok=True)
+    generator = torch.Generator().manual_seed(13)
+    pipe = FluxPipeline.from_pretrained(out / "tiny_pipeline", dtype=torch.float32)
+    transformer = pipe.transformer
+    cfg, dim = transformer.config, transformer.inner_dim
+    batch, text_len, grid_h, grid_w = 2, 7, 3, 5
+    img_ids = torch.zeros(grid_h, grid_w, 3)
+    img_ids[..., 1] = torch.arange(grid_h)[:, None]
+    img_ids[..., 2] = torch.arange(grid_w)[None, :]
+    inputs = dict(hidden_states=torch.randn(batch, grid_h * grid_w, cfg.in_channels, generator=generator),
+                  encoder_hidden_states=torch.randn(batch, text_len, cfg.joint_attention_dim, generator=generator),
+                  pooled_projections=torch.randn(batch, cfg.pooled_projection_dim, generator=generator),
+                  timestep=torch.tensor([0.83, 0.27]), img_ids=img_ids.reshape(-1, 3), txt_ids=torch.zeros(text_len, 3),
+                  guidance=torch.tensor([3.5, 3.5]))
+
+    def output():
+        with torch.no_grad():
+            return pipe.transformer(**inputs, return_dict=False)[0].numpy()
+
+    arrays = {k: v.numpy() for k, v in inputs.items()}
+    arrays["output_base"] = output()
+    config = LoraConfig(r=KREA2_LORA_RANK, lora_alpha=KREA2_LORA_ALPHA, target_modules=FLUX_LORA_TARGETS,
+                        init_lora_weights="gaussian")
+    transformer.add_adapter(config, adapter_name="fixture")
+    with torch.no_grad():
+        for name, param in transformer.named_parameters():
+            if ".lora_A." in name or ".lora_B." in name:
+                param.copy_(torch.randn(param.shape, generator=generator) * 0.3 / np.sqrt(param.shape[-1]))
+    state = {k: v.detach().clone().contiguous()
+             for k, v in get_peft_model_state_dict(transformer, adapter_name="fixture").items()}
+    FluxPipeline.save_lora_weights(folder, transformer_lora_layers=state, weight_name="diffusers.safetensors",
+                                   transformer_lora_adapter_metadata=config.to_dict())
+    transformer.delete_adapters("fixture")
+    pipe.load_lora_weights(folder / "diffusers.safetensors", adapter_name="peft")
+    arrays["output_diffusers"] = output()
+    pipe.delete_adapters("peft")
+
+    rank, kohya = KREA2_LORA_RANK, {}
+
+    def add(name: str, in_features: int, out_features: int, alpha: float | None = KREA2_LORA_ALPHA):
+        kohya[f"lora_unet_{name}.lora_down.weight"] = torch.randn(rank, in_features, generator=generator) * 0.3 / np.sqrt(in_features)
+        kohya[f"lora_unet_{name}.lora_up.weight"] = torch.randn(out_features, rank, generator=generator) * 0.3 / np.sqrt(rank)
+        if alpha is not None:
+            kohya[f"lora_unet_{name}.alpha"] = torch.tensor(alpha)
+
+    for i in range(cfg.num_layers):
+        for stream in ("img", "txt"):
+            add(f"double_blocks_{i}_{stream}_attn_qkv", dim, 3 * dim)
+            add(f"double_blocks_{i}_{stream}_attn_proj", dim, dim)
+            add(f"double_blocks_{i}_{stream}_mlp_0", dim, 4 * dim)
+            add(f"double_blocks_{i}_{stream}_mlp_2", 4 * dim, dim)
+            add(f"double_blocks_{i}_{stream}_mod_lin", dim, 6 * dim)
+    for i in range(cfg.num_single_layers):
+        add(f"single_blocks_{i}_linear2", 5 * dim, dim)
+        add(f"single_blocks_{i}_modulation_lin", dim, 3 * dim)
+    add("final_layer_adaLN_modulation_1", dim, 2 * dim, alpha=None)
+    save_file({k: v.contiguous() for k, v in kohya.items()}, str(folder / "kohya.safetensors"))
+    # diffusers' converter names the final modulation's LoRA `norm_out.linear` without the `transformer.` prefix, so
+    # its loader drops it (0.42.1): the output below is without it, and the converted matrices are saved to check
+    # the (shift, scale) -> (scale, shift) swap against diffusers' own conversion.
+    from diffusers.loaders.lora_conversion_utils import _convert_kohya_flux_lora_to_diffusers
+
+    converted = _convert_kohya_flux_lora_to_diffusers({k: v.clone() for k, v in kohya.items()})
+    arrays["kohya_norm_out_A"] = converted["norm_out.linear.lora_A.weight"].numpy()
+    arrays["kohya_norm_out_B"] = converted["norm_out.linear.lora_B.weight"].numpy()
+    pipe.load_lora_weights(folder / "kohya.safetensors", adapter_name="kohya")
+    arrays["output_kohya"] = output()
+    pipe.delete_adapters("kohya")
+    np.savez(folder / "reference.npz", **arrays)
+    base = np.linalg.norm(arrays["output_base"])
+    print(f"wrote FLUX LoRA fixtures to {folder} (relative change: PEFT "
+          f"{np.linalg.norm(arrays['output_diffusers'] - arrays['output_base']) / base:.3f}, kohya "
+          f"{np.linalg.norm(arrays['output_kohya'] - arrays['output_base']) / base:.3f})")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=FIXTURES)
@@ -755,6 +848,7 @@ GROUPS = {
     "flux_pipeline": (write_flux_pipeline, "flux"),
     "lora": (write_lora, "krea2"),
     "lora_export": (write_lora_export, "krea2"),
+    "flux_lora": (write_flux_lora, "flux"),
 }
 
 
