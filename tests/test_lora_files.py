@@ -19,7 +19,7 @@ from conftest import FIXTURES, relative_l2
 from mxdit.model.flux import FluxTransformer
 from mxdit.model.krea2 import Krea2Transformer
 from mxdit.quant.model import krea2_rules
-from mxdit.training.lora import adapters, quantize_base, remove_lora
+from mxdit.training.lora import LoraConfig, adapters, quantize_base, remove_lora
 from mxdit.training.lora_files import (LoraFileError, apply_loras, export_lora, parse_lora_arg, read_lora)
 
 LORA = FIXTURES / "krea2" / "lora"
@@ -121,6 +121,11 @@ def test_other_spellings_of_the_layouts_read_the_same(model, tmp_path):
         comfy[f"{module}.alpha"] = np.array(8.0, np.float32)
     save_file(comfy, str(tmp_path / "comfy_alpha.safetensors"))
     updates_equal(read_lora(tmp_path / "comfy_alpha.safetensors", model), expected)
+    # AI-Toolkit: PEFT's base_model.model. prefix on the original names (alpha folded into B, as in the ComfyUI file)
+    toolkit = {k.replace("diffusion_model.", "base_model.model.", 1): v
+               for k, v in load_file(LORA / "comfyui.safetensors").items()}
+    save_file(toolkit, str(tmp_path / "toolkit.safetensors"))
+    updates_equal(read_lora(tmp_path / "toolkit.safetensors", model), expected)
     # without any alpha: alpha = rank, scale 1
     plain = tmp_path / "plain.safetensors"
     save_file(diffusers, str(plain))
@@ -182,6 +187,25 @@ def test_exported_lora_gives_diffusers_the_same_output(reference, layout, tmp_pa
     apply_loras(fresh, [(path, 1.0)])
     assert relative_l2(forward(fresh, reference), ours) <= 1e-5
 
+
+
+def test_train_lora_output_is_the_diffusers_export(tmp_path):
+    """train_lora.py's lora.safetensors (save_lora) carries diffusers' metadata too, so diffusers reads its alpha."""
+    from safetensors import safe_open
+
+    from mxdit.training.lora import save_lora
+
+    model = _export_script().exported_model()
+    save_lora(model, tmp_path / "trained.safetensors", LoraConfig(rank=3, alpha=1.5))
+    export_lora(model, tmp_path / "exported.safetensors", "diffusers")
+    trained, exported = load_file(tmp_path / "trained.safetensors"), load_file(tmp_path / "exported.safetensors")
+    assert trained.keys() == exported.keys() and all(np.array_equal(trained[k], exported[k]) for k in trained)
+    metadata = [safe_open(str(tmp_path / f), "numpy").metadata()["lora_adapter_metadata"]
+                for f in ("trained.safetensors", "exported.safetensors")]
+    assert metadata[0] == metadata[1]
+    assert json.loads(metadata[0])["transformer.lora_alpha"] == 1.5  # rank 3 on the attention and SwiGLU layers
+    scales = {n: u.scale for n, u in read_lora(tmp_path / "trained.safetensors", model).updates.items()}
+    assert scales["transformer_blocks.0.attn.to_q"] == 0.5 and scales["img_in"] == 2.0
 
 def test_parse_lora_arg():
     assert parse_lora_arg("a.safetensors:0.8") == (Path("a.safetensors"), 0.8)

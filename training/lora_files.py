@@ -32,7 +32,7 @@ import numpy as np
 from flax import nnx
 
 from mxdit.model.loading import CheckpointError, SafetensorsCheckpoint, save_safetensors
-from mxdit.training.lora import LoRA, adapters, linear_layers
+from mxdit.training.lora import DIFFUSERS_METADATA_KEY, LoRA, adapters, diffusers_metadata, linear_layers
 
 # (suffix, part): what each key of a LoRA file holds. "A" (rank, in), "B" (out, rank), "alpha" a scalar.
 _SUFFIXES = (
@@ -44,7 +44,6 @@ _SUFFIXES = (
 # Prefixes of the module names, stripped before the name is looked up (longest first).
 _PREFIXES = ("model.diffusion_model.", "diffusion_model.", "base_model.model.", "transformer.", "unet.")
 _KOHYA_PREFIXES = ("lora_unet_", "lora_transformer_")
-DIFFUSERS_METADATA_KEY = "lora_adapter_metadata"  # diffusers' loaders/lora_base.py LORA_ADAPTER_METADATA_KEY
 LAYOUTS = ("diffusers", "comfyui")
 
 # A target of a file's module: our module path and the rows of B it takes (None: all; else an index array, for an
@@ -194,7 +193,7 @@ def _alpha_source(path: Path, metadata: Mapping[str, str]) -> tuple[float | None
         config = {k.removeprefix("transformer."): v for k, v in packed.items() if k.startswith("transformer.")}
     elif "mxdit.lora" in metadata:
         mx = json.loads(metadata["mxdit.lora"])
-        config = {"lora_alpha": mx["alpha"]}
+        config = {"lora_alpha": mx["alpha"]}  # (files written before save_lora wrote diffusers' metadata too)
     elif (path.parent / "adapter_config.json").is_file():
         config = json.loads((path.parent / "adapter_config.json").read_text())
     if not config or config.get("lora_alpha") is None:
@@ -368,14 +367,7 @@ def export_lora(model: nnx.Module, path: str | Path, layout: str = "diffusers") 
         raise ValueError(f"{type(model).__name__} has no LoRA adapters to export")
     tensors, metadata = {}, {"format": "pt"}
     if layout == "diffusers":
-        ranks = {name: int(a.A.shape[0]) for name, a in found}
-        alphas = {name: float(a.scale) * ranks[name] for name, a in found}
-        rank = max(set(ranks.values()), key=list(ranks.values()).count)
-        alpha = max(set(alphas.values()), key=list(alphas.values()).count)
-        config = {"r": rank, "lora_alpha": alpha, "target_modules": sorted(ranks),
-                  "rank_pattern": {re.escape(n): r for n, r in ranks.items() if r != rank},
-                  "alpha_pattern": {re.escape(n): a for n, a in alphas.items() if a != alpha}}
-        metadata[DIFFUSERS_METADATA_KEY] = json.dumps({f"transformer.{k}": v for k, v in config.items()}, sort_keys=True)
+        metadata[DIFFUSERS_METADATA_KEY] = diffusers_metadata(model)
         for name, a in found:
             tensors[f"transformer.{name}.lora_A.weight"] = np.asarray(a.A[...], np.float32)
             tensors[f"transformer.{name}.lora_B.weight"] = np.asarray(a.B[...], np.float32)
