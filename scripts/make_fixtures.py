@@ -481,7 +481,7 @@ def write_lora(out: Path) -> None:
                 param.copy_(torch.randn(param.shape, generator=generator) * 0.3 / np.sqrt(param.shape[-1]))
     state = get_peft_model_state_dict(transformer, adapter_name="fixture")
     state = {k: v.detach().clone().contiguous() for k, v in state.items()}
-    metadata = config.to_dict()
+    metadata = dict(config.to_dict(), target_modules=sorted(config.target_modules))  # a set: sorted, for stable bytes
     Krea2Pipeline.save_lora_weights(folder, transformer_lora_layers=state, weight_name="diffusers.safetensors",
                                     transformer_lora_adapter_metadata=metadata)
     transformer.delete_adapters("fixture")
@@ -781,7 +781,8 @@ def write_flux_lora(out: Path) -> None:
     state = {k: v.detach().clone().contiguous()
              for k, v in get_peft_model_state_dict(transformer, adapter_name="fixture").items()}
     FluxPipeline.save_lora_weights(folder, transformer_lora_layers=state, weight_name="diffusers.safetensors",
-                                   transformer_lora_adapter_metadata=config.to_dict())
+                                   transformer_lora_adapter_metadata=dict(config.to_dict(),
+                                                                          target_modules=sorted(config.target_modules)))
     transformer.delete_adapters("fixture")
     pipe.load_lora_weights(folder / "diffusers.safetensors", adapter_name="peft")
     arrays["output_diffusers"] = output()
