@@ -88,12 +88,14 @@ def parse_args(argv=None) -> argparse.Namespace:
         parser.error(f"--output: {', '.join(existing)} already exists (pass --overwrite to replace)")
     if not args.output.parent.exists():
         parser.error(f"--output {args.output}: folder {args.output.parent} does not exist")
-    from mxdit.training.lora_files import parse_lora_arg
+    args.loras = []
+    if args.lora:
+        from mxdit.training.lora_files import parse_lora_arg
 
-    args.loras = [parse_lora_arg(spec) for spec in args.lora]
-    for path, _ in args.loras:
-        if not path.is_file():
-            parser.error(f"--lora {path}: no such file")
+        args.loras = [parse_lora_arg(spec) for spec in args.lora]
+        for path, _ in args.loras:
+            if not path.is_file():
+                parser.error(f"--lora {path}: no such file")
     if args.mesh is not None:
         from mxdit.sharding.mesh import parse_mesh
 

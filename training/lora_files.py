@@ -261,7 +261,9 @@ def read_lora(path: str | Path, model: nnx.Module, strict: bool = True) -> LoraF
         if "alpha" in parts:
             alpha = float(np.asarray(checkpoint.get(parts["alpha"]), np.float32).reshape(-1)[0])
         else:
-            alpha = _pattern_alpha(name, alpha_patterns) or default_alpha or float(rank)
+            alpha = _pattern_alpha(name, alpha_patterns)
+            if alpha is None:
+                alpha = float(rank) if default_alpha is None else default_alpha
         targets = names[name]
         total_rows = sum(layers[t].out_features if rows is None else len(rows) for t, rows in targets)
         if B.shape[0] != total_rows:
