@@ -311,7 +311,9 @@ def apply_loras(model: nnx.Module, loras: Sequence[tuple[str | Path | LoraFile, 
     Fused (`fuse=True`): `W + sum_i w_i s_i B_i @ A_i`, computed in float32 and cast to W's dtype; no cost per call,
     not undoable. A quantized weight (`quant.QuantizedArray`) is dequantized to float32, the update added and the
     result re-quantized in the same format and axis: the fused weight then carries that format's rounding error of
-    the sum (e.g. fp8 e4m3's ~2^-4 relative per element), not of the base alone.
+    the sum (e.g. fp8 e4m3's ~2^-4 relative per element), not of the base alone. Measured on the tiny Krea 2
+    fixture with an MXFP8 (E4M3) base: output relative L2 to diffusers' float32 2.0e-2 without the LoRA, 3.2e-2 with
+    it fused (float32 dense: 4e-7).
     """
     files = [(lora if isinstance(lora, LoraFile) else read_lora(lora, model), float(weight)) for lora, weight in loras]
     layers = dict(linear_layers(model))
