@@ -478,6 +478,19 @@ def original_key_to_diffusers(key: str) -> str:
     return key
 
 
+def diffusers_key_to_original(key: str) -> str:
+    """The inverse of `original_key_to_diffusers` (without the `model.diffusion_model.` prefix): a diffusers key
+    (`transformer_blocks.0.attn.to_q.weight`) in the original release's naming (`blocks.0.attn.wq.weight`)."""
+    for old, new in _ORIGINAL_PREFIXES.items():
+        if key.startswith(new):
+            key = old + key[len(new) :]
+            break
+    if not key.startswith("last."):  # the final layer's names contain no block name; its table ends in "modulation.lin"
+        for old, new in _ORIGINAL_BLOCK_NAMES.items():
+            key = key.replace(new, old)
+    return key
+
+
 def _unflatten_modulation(key: str, shape: tuple[int, ...]):
     # The original release stores each block's (6, dim) modulation table flattened into one vector.
     if key.startswith("transformer_blocks.") and key.endswith(".scale_shift_table") and len(shape) == 1:

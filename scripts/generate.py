@@ -3,12 +3,14 @@
     python scripts/generate.py --model /models/Krea-2-Turbo --prompt "a red fox in the snow" --output fox.png
     python scripts/generate.py --model /models/FLUX.1-dev --prompt "a red fox in the snow" --output fox.png
     python scripts/generate.py --demo --prompt "a red fox" --output demo.png     # tiny RANDOM-weight model, CPU
+    python scripts/generate.py --model /models/Krea-2-Turbo --lora style.safetensors:0.8 --lora detail.safetensors ...
 
 The model family comes from the folder's model_index.json. Krea 2: Turbo or Base from `is_distilled` (Turbo 8 steps
 without guidance, Base 28 steps with CFG 4.5 and the negative prompt). FLUX.1: dev embeds --guidance (default 3.5,
 28 steps), schnell takes 4 steps; --true-cfg > 1 with --negative-prompt adds true classifier-free guidance. With
 several images, `--output x.png` writes x_0.png, x_1.png, ... An existing file is never overwritten unless
---overwrite is given.
+--overwrite is given. `--lora FILE[:WEIGHT]` (repeatable) applies LoRA files in the diffusers/PEFT, kohya or ComfyUI
+layout (training/lora_files.py), at run time or, with --fuse-lora, fused into the weights.
 """
 
 from __future__ import annotations
@@ -54,6 +56,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                              "one device)")
     parser.add_argument("--sequence-attention", choices=["ulysses", "ring"], default=None,
                         help="with seq > 1 (default: Ulysses when the heads divide by seq, else ring)")
+    parser.add_argument("--lora", action="append", default=[], metavar="FILE[:WEIGHT]",
+                        help="a LoRA safetensors file (diffusers/PEFT, kohya or ComfyUI layout) and its weight "
+                             "(default 1.0); repeat for several")
+    parser.add_argument("--fuse-lora", action="store_true",
+                        help="fuse the LoRAs into the weights (no cost per step) instead of applying them at run time")
     parser.add_argument("--distributed", action="store_true",
                         help="call jax.distributed.initialize() first (one process per host, same command on each)")
     args = parser.parse_args(argv)
@@ -81,6 +88,14 @@ def parse_args(argv=None) -> argparse.Namespace:
         parser.error(f"--output: {', '.join(existing)} already exists (pass --overwrite to replace)")
     if not args.output.parent.exists():
         parser.error(f"--output {args.output}: folder {args.output.parent} does not exist")
+    args.loras = []
+    if args.lora:
+        from mxdit.training.lora_files import parse_lora_arg
+
+        args.loras = [parse_lora_arg(spec) for spec in args.lora]
+        for path, _ in args.loras:
+            if not path.is_file():
+                parser.error(f"--lora {path}: no such file")
     if args.mesh is not None:
         from mxdit.sharding.mesh import parse_mesh
 
@@ -135,6 +150,10 @@ def main(argv=None) -> int:
             print("mxdit demo: tiny Krea 2-shaped model with RANDOM weights -- the image is noise, not a picture.")
         else:
             pipe = load_pipeline(args.model, dtype=dtype)
+        if args.loras:
+            from mxdit.training.lora_files import apply_loras
+
+            apply_loras(pipe.transformer, args.loras, fuse=args.fuse_lora)  # before sharding: it places the adapters
         if mesh is not None:
             if isinstance(pipe, FluxPipeline):
                 raise ValueError("--mesh: FLUX.1 runs on one device for now (sharding covers Krea 2)")

@@ -6,6 +6,13 @@ the test suite compares against diffusers without importing it.
 
     python3.11 -m venv /tmp/torch && /tmp/torch/bin/pip install torch==2.13.0 diffusers==0.42.1 transformers
     /tmp/torch/bin/python scripts/make_fixtures.py            # rewrites tests/fixtures/
+    /tmp/torch/bin/python scripts/make_fixtures.py --only lora   # one group (repeatable); see GROUPS
+
+The LoRA export check takes two steps, because the exporter is mxdit's (JAX) and the reference diffusers' (torch):
+`--only lora` writes the diffusers/kohya/ComfyUI LoRA files and reference outputs under tests/fixtures/krea2/lora/;
+then `.venv/bin/python scripts/export_lora_fixture.py` (mxdit's venv) exports an mxdit LoRA there in the diffusers
+and ComfyUI layouts; then `--only lora_export` loads those files with diffusers' `load_lora_weights` and saves its
+outputs (export_reference.npz).
 
 Every parameter is random (norm scales and modulation tables included), so that a term that is silently wrong in our
 implementation cannot hide behind a zero or a one.
@@ -414,6 +421,126 @@ def write_krea2_pipeline(out: Path) -> None:
     print(f"wrote Krea 2 pipeline fixtures to {folder} (last hidden state normed: {last_is_normed})")
 
 
+# The LoRA fixtures (issue #12): adapters on the tiny pipeline's transformer, in the layouts the ecosystem uses.
+KREA2_LORA_TARGETS = ["to_q", "to_k", "to_v", "to_out.0", "to_gate", "ff.gate", "ff.up", "ff.down", "img_in",
+                      "time_mod_proj", "txt_in.linear_1", "final_layer.linear", "text_fusion.projector"]
+KREA2_LORA_RANK, KREA2_LORA_ALPHA = 4, 8.0  # scale 2: a file that drops the alpha gives a visibly wrong answer
+
+
+def _krea2_lora_inputs(transformer, generator: torch.Generator) -> dict:
+    """Transformer inputs for the LoRA references: batch 2, a 3x5 latent grid, 7 text tokens with padding."""
+    cfg = transformer.config
+    batch, text_len, grid_h, grid_w = 2, 7, 3, 5
+    image_ids = torch.zeros(grid_h, grid_w, 3)
+    image_ids[..., 1] = torch.arange(grid_h)[:, None]
+    image_ids[..., 2] = torch.arange(grid_w)[None, :]
+    return dict(
+        hidden_states=torch.randn(batch, grid_h * grid_w, cfg.in_channels, generator=generator),
+        encoder_hidden_states=torch.randn(batch, text_len, cfg.num_text_layers, cfg.text_hidden_dim,
+                                          generator=generator),
+        timestep=torch.tensor([0.83, 0.27]),
+        position_ids=torch.cat([torch.zeros(text_len, 3), image_ids.reshape(-1, 3)], dim=0),
+        encoder_attention_mask=torch.tensor([[1, 1, 0, 0, 1, 1, 0], [1] * 7], dtype=torch.bool),
+    )
+
+
+def _krea2_lora_output(pipe, inputs: dict) -> np.ndarray:
+    with torch.no_grad():
+        return pipe.transformer(**inputs, return_dict=False)[0].numpy()
+
+
+def _krea2_pipeline_fp32(folder: Path):
+    from diffusers import Krea2Pipeline
+
+    return Krea2Pipeline.from_pretrained(folder, dtype=torch.float32)
+
+
+def write_lora(out: Path) -> None:
+    """A PEFT LoRA made by diffusers on the tiny pipeline's transformer, saved by `save_lora_weights`, the same
+    weights converted by hand to the kohya and ComfyUI layouts, and diffusers' transformer output with it."""
+    from diffusers import Krea2Pipeline
+    from peft import LoraConfig
+    from peft.utils import get_peft_model_state_dict
+    from safetensors.torch import save_file
+
+    folder = out / "lora"
+    folder.mkdir(parents=True, exist_ok=True)
+    generator = torch.Generator().manual_seed(12)
+    pipe = _krea2_pipeline_fp32(out / "tiny_pipeline")
+    inputs = _krea2_lora_inputs(pipe.transformer, generator)
+    arrays = {k: v.numpy() for k, v in inputs.items()}
+    arrays["output_base"] = _krea2_lora_output(pipe, inputs)
+
+    transformer = pipe.transformer
+    config = LoraConfig(r=KREA2_LORA_RANK, lora_alpha=KREA2_LORA_ALPHA, target_modules=KREA2_LORA_TARGETS,
+                        init_lora_weights="gaussian")
+    transformer.add_adapter(config, adapter_name="fixture")
+    with torch.no_grad():  # B is zero after PEFT's init: give both matrices random values of a useful size
+        for name, param in transformer.named_parameters():
+            if ".lora_A." in name or ".lora_B." in name:
+                param.copy_(torch.randn(param.shape, generator=generator) * 0.3 / np.sqrt(param.shape[-1]))
+    state = get_peft_model_state_dict(transformer, adapter_name="fixture")
+    state = {k: v.detach().clone().contiguous() for k, v in state.items()}
+    metadata = dict(config.to_dict(), target_modules=sorted(config.target_modules))  # a set: sorted, for stable bytes
+    Krea2Pipeline.save_lora_weights(folder, transformer_lora_layers=state, weight_name="diffusers.safetensors",
+                                    transformer_lora_adapter_metadata=metadata)
+    transformer.delete_adapters("fixture")
+
+    # The file as a user gets it: loaded by the pipeline, at two weights.
+    pipe.load_lora_weights(folder / "diffusers.safetensors", adapter_name="lora")
+    arrays["output_lora_1.0"] = _krea2_lora_output(pipe, inputs)
+    pipe.set_adapters(["lora"], [0.5])
+    arrays["output_lora_0.5"] = _krea2_lora_output(pipe, inputs)
+    pipe.delete_adapters("lora")
+    after = _krea2_lora_output(pipe, inputs)
+    assert np.linalg.norm(after - arrays["output_base"]) <= 1e-6 * np.linalg.norm(arrays["output_base"])
+
+    # kohya: `lora_unet_` + the original module name with dots as underscores, lora_down (= A), lora_up (= B) and
+    # the alpha as a scalar tensor. ComfyUI: `diffusion_model.` + the original module name with lora_A / lora_B, as
+    # diffusers' `_convert_non_diffusers_krea2_lora_to_diffusers` reads it; that layout carries no alpha, so the
+    # scale alpha / rank is folded into lora_B.
+    kohya, comfy = {}, {}
+    scale = KREA2_LORA_ALPHA / KREA2_LORA_RANK
+    for key, value in state.items():
+        module, part = key.removeprefix("transformer.").rsplit(".lora_", 1)
+        original = krea2_diffusers_to_original_key(module + ".weight").removesuffix(".weight")
+        kohya_name = "lora_unet_" + original.replace(".", "_")
+        kohya[f"{kohya_name}.lora_{'down' if part.startswith('A') else 'up'}.weight"] = value
+        kohya[f"{kohya_name}.alpha"] = torch.tensor(KREA2_LORA_ALPHA)
+        comfy[f"diffusion_model.{original}.lora_{part}"] = (value * scale if part.startswith("B") else value).contiguous()
+    save_file(kohya, str(folder / "kohya.safetensors"))
+    save_file(comfy, str(folder / "comfyui.safetensors"))
+    # The hand-made ComfyUI file must give what the diffusers file gives, through diffusers' own converter.
+    pipe.load_lora_weights(folder / "comfyui.safetensors", adapter_name="comfy")
+    comfy_out = _krea2_lora_output(pipe, inputs)
+    pipe.delete_adapters("comfy")
+    rel = np.linalg.norm(comfy_out - arrays["output_lora_1.0"]) / np.linalg.norm(arrays["output_lora_1.0"])
+    assert rel < 1e-5, rel
+    np.savez(folder / "reference.npz", **arrays)
+    print(f"wrote Krea 2 LoRA fixtures to {folder} (LoRA changes the output by "
+          f"{np.linalg.norm(arrays['output_lora_1.0'] - arrays['output_base']) / np.linalg.norm(arrays['output_base']):.3f}"
+          f" relative L2; ComfyUI file vs diffusers file in diffusers: {rel:.2e})")
+
+
+def write_lora_export(out: Path) -> None:
+    """Step 2 of the export check: load the LoRAs that mxdit exported (tests/fixtures/krea2/lora/mxdit_*.safetensors,
+    written by `python scripts/export_lora_fixture.py` with mxdit's venv) into diffusers' pipeline and save the
+    transformer outputs on the inputs of `write_lora`'s reference.npz."""
+    folder = out / "lora"
+    reference = np.load(folder / "reference.npz")
+    inputs = {k: torch.from_numpy(reference[k]) for k in ("hidden_states", "encoder_hidden_states", "timestep",
+                                                             "position_ids", "encoder_attention_mask")}
+    pipe = _krea2_pipeline_fp32(out / "tiny_pipeline")
+    arrays = {}
+    for layout in ("diffusers", "comfyui"):
+        path = folder / f"mxdit_{layout}.safetensors"
+        pipe.load_lora_weights(path, adapter_name=layout)
+        arrays[f"output_{layout}"] = _krea2_lora_output(pipe, inputs)
+        pipe.delete_adapters(layout)
+    np.savez(folder / "export_reference.npz", **arrays)
+    print(f"wrote diffusers' outputs with mxdit's exported LoRAs to {folder / 'export_reference.npz'}")
+
+
 FLUX_TINY_CONFIG = dict(patch_size=1, in_channels=16, num_layers=2, num_single_layers=2, attention_head_dim=16,
                         num_attention_heads=2, joint_attention_dim=24, pooled_projection_dim=12, guidance_embeds=True,
                         axes_dims_rope=(4, 6, 6))
@@ -605,17 +732,125 @@ def write_flux_pipeline(out: Path) -> None:
     print(f"wrote FLUX pipeline fixtures to {folder}")
 
 
+FLUX_LORA_TARGETS = ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out",
+                     "ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj", "ff_context.net.2", "proj_mlp",
+                     "single_transformer_blocks.0.proj_out", "single_transformer_blocks.1.proj_out", "norm1.linear",
+                     "norm_out.linear"]
+
+
+def write_flux_lora(out: Path) -> None:
+    """FLUX.1 LoRAs on the tiny FLUX pipeline's transformer: a PEFT LoRA saved by diffusers, and a kohya file in the
+    original layout (fused qkv, the final modulation's (shift, scale) order), each loaded by `load_lora_weights`,
+    with diffusers' transformer outputs. The kohya file has no single-block linear1 (diffusers' converter hard-codes
+    FLUX.1's width for it) and the final modulation without an alpha (diffusers' converter ignores that one), which
+    diffusers' loader then drops (see below)."""
+    from diffusers import FluxPipeline
+    from peft import LoraConfig
+    from peft.utils import get_peft_model_state_dict
+    from safetensors.torch import save_file
+
+    folder = out / "lora"
+    folder.mkdir(parents=True, exist_ok=True)
+    generator = torch.Generator().manual_seed(13)
+    pipe = FluxPipeline.from_pretrained(out / "tiny_pipeline", dtype=torch.float32)
+    transformer = pipe.transformer
+    cfg, dim = transformer.config, transformer.inner_dim
+    batch, text_len, grid_h, grid_w = 2, 7, 3, 5
+    img_ids = torch.zeros(grid_h, grid_w, 3)
+    img_ids[..., 1] = torch.arange(grid_h)[:, None]
+    img_ids[..., 2] = torch.arange(grid_w)[None, :]
+    inputs = dict(hidden_states=torch.randn(batch, grid_h * grid_w, cfg.in_channels, generator=generator),
+                  encoder_hidden_states=torch.randn(batch, text_len, cfg.joint_attention_dim, generator=generator),
+                  pooled_projections=torch.randn(batch, cfg.pooled_projection_dim, generator=generator),
+                  timestep=torch.tensor([0.83, 0.27]), img_ids=img_ids.reshape(-1, 3), txt_ids=torch.zeros(text_len, 3),
+                  guidance=torch.tensor([3.5, 3.5]))
+
+    def output():
+        with torch.no_grad():
+            return pipe.transformer(**inputs, return_dict=False)[0].numpy()
+
+    arrays = {k: v.numpy() for k, v in inputs.items()}
+    arrays["output_base"] = output()
+    config = LoraConfig(r=KREA2_LORA_RANK, lora_alpha=KREA2_LORA_ALPHA, target_modules=FLUX_LORA_TARGETS,
+                        init_lora_weights="gaussian")
+    transformer.add_adapter(config, adapter_name="fixture")
+    with torch.no_grad():
+        for name, param in transformer.named_parameters():
+            if ".lora_A." in name or ".lora_B." in name:
+                param.copy_(torch.randn(param.shape, generator=generator) * 0.3 / np.sqrt(param.shape[-1]))
+    state = {k: v.detach().clone().contiguous()
+             for k, v in get_peft_model_state_dict(transformer, adapter_name="fixture").items()}
+    FluxPipeline.save_lora_weights(folder, transformer_lora_layers=state, weight_name="diffusers.safetensors",
+                                   transformer_lora_adapter_metadata=dict(config.to_dict(),
+                                                                          target_modules=sorted(config.target_modules)))
+    transformer.delete_adapters("fixture")
+    pipe.load_lora_weights(folder / "diffusers.safetensors", adapter_name="peft")
+    arrays["output_diffusers"] = output()
+    pipe.delete_adapters("peft")
+
+    rank, kohya = KREA2_LORA_RANK, {}
+
+    def add(name: str, in_features: int, out_features: int, alpha: float | None = KREA2_LORA_ALPHA):
+        kohya[f"lora_unet_{name}.lora_down.weight"] = torch.randn(rank, in_features, generator=generator) * 0.3 / np.sqrt(in_features)
+        kohya[f"lora_unet_{name}.lora_up.weight"] = torch.randn(out_features, rank, generator=generator) * 0.3 / np.sqrt(rank)
+        if alpha is not None:
+            kohya[f"lora_unet_{name}.alpha"] = torch.tensor(alpha)
+
+    for i in range(cfg.num_layers):
+        for stream in ("img", "txt"):
+            add(f"double_blocks_{i}_{stream}_attn_qkv", dim, 3 * dim)
+            add(f"double_blocks_{i}_{stream}_attn_proj", dim, dim)
+            add(f"double_blocks_{i}_{stream}_mlp_0", dim, 4 * dim)
+            add(f"double_blocks_{i}_{stream}_mlp_2", 4 * dim, dim)
+            add(f"double_blocks_{i}_{stream}_mod_lin", dim, 6 * dim)
+    for i in range(cfg.num_single_layers):
+        add(f"single_blocks_{i}_linear2", 5 * dim, dim)
+        add(f"single_blocks_{i}_modulation_lin", dim, 3 * dim)
+    add("final_layer_adaLN_modulation_1", dim, 2 * dim, alpha=None)
+    save_file({k: v.contiguous() for k, v in kohya.items()}, str(folder / "kohya.safetensors"))
+    # diffusers' converter names the final modulation's LoRA `norm_out.linear` without the `transformer.` prefix, so
+    # its loader drops it (0.42.1): the output below is without it, and the converted matrices are saved to check
+    # the (shift, scale) -> (scale, shift) swap against diffusers' own conversion.
+    from diffusers.loaders.lora_conversion_utils import _convert_kohya_flux_lora_to_diffusers
+
+    converted = _convert_kohya_flux_lora_to_diffusers({k: v.clone() for k, v in kohya.items()})
+    arrays["kohya_norm_out_A"] = converted["norm_out.linear.lora_A.weight"].numpy()
+    arrays["kohya_norm_out_B"] = converted["norm_out.linear.lora_B.weight"].numpy()
+    pipe.load_lora_weights(folder / "kohya.safetensors", adapter_name="kohya")
+    arrays["output_kohya"] = output()
+    pipe.delete_adapters("kohya")
+    np.savez(folder / "reference.npz", **arrays)
+    base = np.linalg.norm(arrays["output_base"])
+    print(f"wrote FLUX LoRA fixtures to {folder} (relative change: PEFT "
+          f"{np.linalg.norm(arrays['output_diffusers'] - arrays['output_base']) / base:.3f}, kohya "
+          f"{np.linalg.norm(arrays['output_kohya'] - arrays['output_base']) / base:.3f})")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=FIXTURES)
+    parser.add_argument("--only", choices=sorted(GROUPS), action="append",
+                        help="write only these fixture groups (repeatable; default: all but lora_export)")
     args = parser.parse_args()
     torch.manual_seed(0)
-    write_krea2_transformer(args.out / "krea2")
-    write_scheduler(args.out / "scheduler")
-    write_vaes(args.out / "vae")
-    write_krea2_pipeline(args.out / "krea2")
-    write_flux_transformer(args.out / "flux")
-    write_flux_pipeline(args.out / "flux")
+    for name in args.only or [g for g in GROUPS if g != "lora_export"]:
+        write, folder = GROUPS[name]
+        write(args.out / folder)
+
+
+# name -> (writer, folder under --out), in the order a full run writes them. lora reads krea2's tiny_pipeline;
+# lora_export reads lora's reference and mxdit's exported files (see write_lora_export), so it runs only when asked.
+GROUPS = {
+    "krea2_transformer": (write_krea2_transformer, "krea2"),
+    "scheduler": (write_scheduler, "scheduler"),
+    "vae": (write_vaes, "vae"),
+    "krea2_pipeline": (write_krea2_pipeline, "krea2"),
+    "flux_transformer": (write_flux_transformer, "flux"),
+    "flux_pipeline": (write_flux_pipeline, "flux"),
+    "lora": (write_lora, "krea2"),
+    "lora_export": (write_lora_export, "krea2"),
+    "flux_lora": (write_flux_lora, "flux"),
+}
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@ import importlib.util
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
 from PIL import Image
 
@@ -85,3 +86,29 @@ def test_existing_output_is_not_overwritten(tmp_path, capsys):
     code, captured = run(["--demo", "--prompt", "x", "--output", str(out)], capsys)
     assert code == 2 and "already exists (pass --overwrite to replace)" in captured.err
     assert out.read_bytes() == b"precious"
+
+
+def test_loras_apply_at_run_time_and_fused(tmp_path, capsys):
+    lora = FIXTURES / "krea2" / "lora"
+    common = ["--model", str(FIXTURES / "krea2" / "tiny_pipeline"), "--prompt", "a cat", "--height", "64", "--width",
+              "64", "--steps", "1", "--dtype", "fp32", "--max-sequence-length", "16"]
+    images = []
+    for i, extra in enumerate([[], ["--lora", f"{lora / 'kohya.safetensors'}:0.5", "--lora", str(lora / "comfyui.safetensors")],
+                               ["--lora", f"{lora / 'diffusers.safetensors'}:1.5", "--fuse-lora"]]):
+        out = tmp_path / f"{i}.png"
+        code, captured = run(common + extra + ["--output", str(out)], capsys)
+        assert code == 0, captured.err
+        with Image.open(out) as image:
+            images.append(np.asarray(image, np.float32))
+    assert np.abs(images[1] - images[0]).mean() > 1.0  # the LoRAs change the picture...
+    assert np.abs(images[1] - images[2]).mean() < 1.0  # ...and 0.5 + 1.0 at run time is 1.5 fused (up to PNG rounding)
+
+
+@pytest.mark.parametrize("spec, message", [
+    ("/nonexistent/x.safetensors:0.8", "--lora /nonexistent/x.safetensors: no such file"),
+    (str(FIXTURES / "krea2" / "lora" / "kohya.safetensors"), "kohya.safetensors: lora_unet_"),
+])
+def test_bad_lora_exits_with_one_line_naming_the_file(tmp_path, capsys, spec, message):
+    code, captured = run(["--demo", "--prompt", "x", "--height", "64", "--width", "64", "--steps", "1", "--lora", spec,
+                          "--output", str(tmp_path / "o.png")], capsys)
+    assert code == 2 and captured.err.strip().count("\n") == 0 and message in captured.err, captured.err

@@ -89,6 +89,15 @@ class LoRA(nnx.Module):
         self.dropout_key = nnx.data(None)
         self.merged = False
 
+    @classmethod
+    def from_matrices(cls, A: jax.Array, B: jax.Array, scale: float) -> "LoRA":
+        """An adapter with given matrices (a LoRA read from a file): A (rank, in), B (out, rank), float32."""
+        rank = A.shape[0]
+        lora = cls(A.shape[1], B.shape[0], LoraConfig(rank=rank, alpha=scale * rank), jax.random.key(0))
+        lora.A.set_value(jnp.asarray(A, jnp.float32))
+        lora.B.set_value(jnp.asarray(B, jnp.float32))
+        return lora
+
     def delta(self) -> jax.Array:
         """The update of the layer's weight, `scale * B @ A` (out, in), float32."""
         return self.scale * jnp.dot(self.B[...], self.A[...], precision=jax.lax.Precision.HIGHEST)
@@ -237,10 +246,29 @@ def lora_state_dict(model: nnx.Module, prefix: str = PREFIX) -> dict[str, np.nda
     return out
 
 
+DIFFUSERS_METADATA_KEY = "lora_adapter_metadata"  # diffusers' loaders/lora_base.py LORA_ADAPTER_METADATA_KEY
+
+
+def diffusers_metadata(model: nnx.Module) -> str:
+    """The adapters' ranks and alphas as diffusers' `save_lora_weights` writes them in the safetensors metadata
+    `lora_adapter_metadata` (PEFT LoraConfig fields prefixed `transformer.`), which `load_lora_weights` reads: the
+    most common rank and alpha, others in rank_pattern / alpha_pattern. Without it diffusers takes alpha = rank."""
+    ranks = {name: int(a.A.shape[0]) for name, a in adapters(model)}
+    alphas = {name: float(a.scale) * ranks[name] for name, a in adapters(model)}
+    rank = max(set(ranks.values()), key=list(ranks.values()).count)
+    alpha = max(set(alphas.values()), key=list(alphas.values()).count)
+    config = {"r": rank, "lora_alpha": alpha, "target_modules": sorted(ranks),
+              "rank_pattern": {re.escape(n): r for n, r in ranks.items() if r != rank},
+              "alpha_pattern": {re.escape(n): a for n, a in alphas.items() if a != alpha}}
+    return json.dumps({f"transformer.{k}": v for k, v in config.items()}, sort_keys=True)
+
+
 def save_lora(model: nnx.Module, path: str | Path, config: LoraConfig, extra: Mapping[str, str] | None = None) -> None:
     """Write the adapters to one safetensors file (atomically: temporary file, then rename), with `config` as JSON in
-    the metadata key `mxdit.lora` (rank, alpha, targets) and `extra` metadata."""
-    metadata = {METADATA_KEY: json.dumps(dataclasses.asdict(config)), **(extra or {})}
+    the metadata key `mxdit.lora` (rank, alpha, targets), the ranks and alphas for diffusers (`diffusers_metadata`)
+    and `extra` metadata."""
+    metadata = {METADATA_KEY: json.dumps(dataclasses.asdict(config)), DIFFUSERS_METADATA_KEY: diffusers_metadata(model),
+                **(extra or {})}
     save_safetensors(lora_state_dict(model), Path(path), metadata=metadata)
 
 

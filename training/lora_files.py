@@ -1,0 +1,385 @@
+"""LoRA files as the ecosystem writes them: read (diffusers/PEFT, kohya, ComfyUI / original layouts), apply several at
+once with weights (at run time or fused into the weights, quantized ones included), export (diffusers, ComfyUI).
+
+A LoRA updates a Linear's weight W (out, in) by `scale * B @ A`, A (rank, in), B (out, rank), scale = alpha / rank.
+The layouts differ in key names and in where alpha lives:
+
+- diffusers/PEFT: `transformer.<module>.lora_A.weight` / `.lora_B.weight` (also without the `transformer.` prefix,
+  with PEFT's `.default` adapter name, or PEFT's `base_model.model.` prefix); alpha in the safetensors metadata
+  `lora_adapter_metadata` (diffusers' `save_lora_weights`), in an `adapter_config.json` beside the file (PEFT's
+  `save_pretrained`), or in `<module>.alpha` tensors; none of them: alpha = rank.
+- kohya: `lora_unet_<module with dots as underscores>.lora_down.weight` (A) / `.lora_up.weight` (B) / `.alpha`.
+- ComfyUI and the model authors' trainers: `diffusion_model.<module>.lora_A.weight` / `.lora_B.weight` (or
+  lora_down / lora_up), alpha as `.alpha` tensors or folded into B.
+
+`<module>` is either diffusers' module path (`transformer_blocks.0.attn.to_q`) or the original release's
+(`blocks.0.attn.wq`, FLUX's `double_blocks.0.img_attn.qkv`): names are resolved against the model's own Linear
+layers, so kohya's ambiguous underscores are matched with the real paths, and an original layer that fuses several of
+ours (FLUX's qkv, linear1) is split by rows of B (A is shared). Keys that match no layer are reported, never dropped.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from mxdit.model.loading import CheckpointError, SafetensorsCheckpoint, save_safetensors
+from mxdit.training.lora import DIFFUSERS_METADATA_KEY, LoRA, adapters, diffusers_metadata, linear_layers
+
+# (suffix, part): what each key of a LoRA file holds. "A" (rank, in), "B" (out, rank), "alpha" a scalar.
+_SUFFIXES = (
+    (".lora_A.weight", "A"), (".lora_B.weight", "B"),
+    (".lora_A.default.weight", "A"), (".lora_B.default.weight", "B"),
+    (".lora_down.weight", "A"), (".lora_up.weight", "B"),
+    (".alpha", "alpha"),
+)
+# Prefixes of the module names, stripped before the name is looked up (longest first).
+_PREFIXES = ("model.diffusion_model.", "diffusion_model.", "base_model.model.", "transformer.", "unet.")
+_KOHYA_PREFIXES = ("lora_unet_", "lora_transformer_")
+LAYOUTS = ("diffusers", "comfyui")
+
+# A target of a file's module: our module path and the rows of B it takes (None: all; else an index array, for an
+# original layer that fuses several of ours or orders its rows otherwise).
+Target = tuple[str, "np.ndarray | None"]
+
+
+class LoraFileError(ValueError):
+    """A LoRA file that cannot be used with the model; the message names the file and the keys at fault."""
+
+
+@dataclasses.dataclass(frozen=True)
+class LoraUpdate:
+    """One Linear's update `scale * B @ A`: A (rank, in) and B (out, rank) float32 numpy."""
+
+    A: np.ndarray
+    B: np.ndarray
+    scale: float
+
+    def delta(self) -> np.ndarray:
+        """(out, in) float32."""
+        return (self.scale * (self.B.astype(np.float64) @ self.A.astype(np.float64))).astype(np.float32)
+
+
+@dataclasses.dataclass(frozen=True)
+class LoraFile:
+    """What `read_lora` found: updates by our module path, and the keys that matched no layer (`strict=False`)."""
+
+    path: Path
+    updates: dict[str, LoraUpdate]
+    unknown: tuple[str, ...] = ()
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Module names of a model: ours, and the original release's
+
+
+def _krea2_original_names(paths: Sequence[str]) -> dict[str, list[Target]]:
+    from mxdit.model.krea2 import diffusers_key_to_original
+
+    return {diffusers_key_to_original(p + ".weight").removesuffix(".weight"): [(p, None)] for p in paths}
+
+
+def _flux_original_names(paths: Sequence[str], dim: int) -> dict[str, list[Target]]:
+    """The original FLUX module names (black-forest-labs' layout, as kohya and ComfyUI name FLUX LoRAs), mapped to our
+    modules as `flux.original_checkpoint_view` maps the weights: fused qkv and linear1 split by rows, the final
+    modulation's (shift, scale) halves swapped to diffusers' (scale, shift)."""
+    have = set(paths)
+    names: dict[str, list[Target]] = {}
+
+    def add(original: str, targets: list[Target]):
+        if all(t in have for t, _ in targets):
+            names[original] = targets
+
+    def rows(lo: int, hi: int) -> np.ndarray:
+        return np.arange(lo, hi)
+
+    for src, dst in (("time_in", "timestep_embedder"), ("vector_in", "text_embedder"), ("guidance_in", "guidance_embedder")):
+        add(f"{src}.in_layer", [(f"time_text_embed.{dst}.linear_1", None)])
+        add(f"{src}.out_layer", [(f"time_text_embed.{dst}.linear_2", None)])
+    add("txt_in", [("context_embedder", None)])
+    add("img_in", [("x_embedder", None)])
+    add("final_layer.linear", [("proj_out", None)])
+    add("final_layer.adaLN_modulation.1", [("norm_out.linear", np.concatenate([rows(dim, 2 * dim), rows(0, dim)]))])
+    doubles = sorted({int(p.split(".")[1]) for p in paths if p.startswith("transformer_blocks.")})
+    singles = sorted({int(p.split(".")[1]) for p in paths if p.startswith("single_transformer_blocks.")})
+    for i in doubles:
+        o, n = f"double_blocks.{i}.", f"transformer_blocks.{i}."
+        add(f"{o}img_mod.lin", [(f"{n}norm1.linear", None)])
+        add(f"{o}txt_mod.lin", [(f"{n}norm1_context.linear", None)])
+        add(f"{o}img_attn.qkv", [(f"{n}attn.{x}", rows(j * dim, (j + 1) * dim)) for j, x in enumerate(("to_q", "to_k", "to_v"))])
+        add(f"{o}txt_attn.qkv", [(f"{n}attn.add_{x}_proj", rows(j * dim, (j + 1) * dim)) for j, x in enumerate("qkv")])
+        add(f"{o}img_attn.proj", [(f"{n}attn.to_out.0", None)])
+        add(f"{o}txt_attn.proj", [(f"{n}attn.to_add_out", None)])
+        add(f"{o}img_mlp.0", [(f"{n}ff.net.0.proj", None)])
+        add(f"{o}img_mlp.2", [(f"{n}ff.net.2", None)])
+        add(f"{o}txt_mlp.0", [(f"{n}ff_context.net.0.proj", None)])
+        add(f"{o}txt_mlp.2", [(f"{n}ff_context.net.2", None)])
+    for i in singles:
+        o, n = f"single_blocks.{i}.", f"single_transformer_blocks.{i}."
+        add(f"{o}modulation.lin", [(f"{n}norm.linear", None)])
+        add(f"{o}linear2", [(f"{n}proj_out", None)])
+        bounds = [0, dim, 2 * dim, 3 * dim, 7 * dim]  # linear1 stacks q, k, v and the MLP input (4 * dim rows)
+        add(f"{o}linear1", [(f"{n}{x}", rows(bounds[j], bounds[j + 1]))
+                            for j, x in enumerate(("attn.to_q", "attn.to_k", "attn.to_v", "proj_mlp"))])
+    return names
+
+
+def module_names(model: nnx.Module) -> dict[str, list[Target]]:
+    """Every name a LoRA file may use for a Linear of `model`: our module paths (diffusers'), and for Krea 2 and
+    FLUX.1 the original release's names. name -> [(our module path, rows of B or None)]."""
+    from mxdit.model.flux import FluxTransformer
+    from mxdit.model.krea2 import Krea2Transformer
+
+    paths = [name for name, _ in linear_layers(model)]
+    names: dict[str, list[Target]] = {p: [(p, None)] for p in paths}
+    if isinstance(model, Krea2Transformer):
+        original = _krea2_original_names(paths)
+    elif isinstance(model, FluxTransformer):
+        original = _flux_original_names(paths, model.config.inner_dim)
+    else:
+        original = {}
+    for name, targets in original.items():
+        if name in names and names[name] != targets:  # would make the layout ambiguous: a bug in the map
+            raise AssertionError(f"{type(model).__name__}: original name {name} is also one of our module paths")
+        names[name] = targets
+    return names
+
+
+def _kohya_names(names: Mapping[str, list[Target]]) -> dict[str, str | None]:
+    """kohya's name (dots as underscores) -> the dotted name; None where two dotted names collide."""
+    out: dict[str, str | None] = {}
+    for name in names:
+        flat = name.replace(".", "_")
+        out[flat] = None if flat in out and out[flat] != name else name
+    return out
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Reading
+
+
+def _split_key(key: str) -> tuple[str, str] | None:
+    for suffix, part in _SUFFIXES:
+        if key.endswith(suffix):
+            return key[: -len(suffix)], part
+    return None
+
+
+def _strip(name: str) -> tuple[str, bool]:
+    """(module name without its layout prefix, whether it is kohya's underscore form)."""
+    for prefix in _KOHYA_PREFIXES:
+        if name.startswith(prefix):
+            return name[len(prefix) :], True
+    for prefix in _PREFIXES:
+        if name.startswith(prefix):
+            return name[len(prefix) :], False
+    return name, False
+
+
+def _alpha_source(path: Path, metadata: Mapping[str, str]) -> tuple[float | None, dict[str, float]]:
+    """(default alpha, per-module alpha patterns) from diffusers' metadata, mxdit's, or an adapter_config.json beside
+    the file (PEFT); (None, {}) when none says (alpha = rank)."""
+    config = None
+    if DIFFUSERS_METADATA_KEY in metadata:
+        packed = json.loads(metadata[DIFFUSERS_METADATA_KEY])
+        config = {k.removeprefix("transformer."): v for k, v in packed.items() if k.startswith("transformer.")}
+    elif "mxdit.lora" in metadata:
+        mx = json.loads(metadata["mxdit.lora"])
+        config = {"lora_alpha": mx["alpha"]}  # (files written before save_lora wrote diffusers' metadata too)
+    elif (path.parent / "adapter_config.json").is_file():
+        config = json.loads((path.parent / "adapter_config.json").read_text())
+    if not config or config.get("lora_alpha") is None:
+        return None, {}
+    return float(config["lora_alpha"]), {k: float(v) for k, v in (config.get("alpha_pattern") or {}).items()}
+
+
+def _pattern_alpha(name: str, patterns: Mapping[str, float]) -> float | None:
+    # PEFT matches a pattern against the end of the module name, at a dot boundary.
+    for pattern, alpha in patterns.items():
+        if re.fullmatch(rf"(.*\.)?{pattern}", name):
+            return alpha
+    return None
+
+
+def read_lora(path: str | Path, model: nnx.Module, strict: bool = True) -> LoraFile:
+    """Read a LoRA safetensors file (or a PEFT folder holding `adapter_model.safetensors`) for `model`, in any layout
+    of the module docstring. Returns the updates by our module path, A (rank, in) and B (out, rank) float32 with the
+    scale alpha / rank. `strict`: keys that match no Linear of `model` (text-encoder LoRAs, DoRA scales, biases, ...)
+    raise a `LoraFileError` listing them; False: they are returned in `.unknown`."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / "adapter_model.safetensors"
+    try:
+        checkpoint = SafetensorsCheckpoint([path])
+    except CheckpointError as e:
+        raise LoraFileError(str(e)) from None
+    metadata = checkpoint._open(path).metadata() or {}
+    default_alpha, alpha_patterns = _alpha_source(path, metadata)
+    names = module_names(model)
+    kohya = _kohya_names(names)
+    layers = dict(linear_layers(model))
+
+    groups: dict[str, dict[str, str]] = {}  # file's module name (prefix stripped) -> part -> key
+    resolved: dict[str, str] = {}  # file's module name -> name in `names`
+    unknown = []
+    for key in checkpoint.keys():
+        split = _split_key(key)
+        if split is None:
+            unknown.append(key)
+            continue
+        raw, part = split
+        name, is_kohya = _strip(raw)
+        found = kohya.get(name) if is_kohya else (name if name in names else None)
+        if found is None:
+            unknown.append(key)
+            continue
+        resolved[raw] = found
+        groups.setdefault(raw, {})[part] = key
+    if unknown and strict:
+        raise LoraFileError(f"{path}: keys that match no Linear layer of {type(model).__name__} "
+                            f"({len(unknown)}): {_listing(unknown)}")
+
+    updates: dict[str, LoraUpdate] = {}
+    for raw, parts in groups.items():
+        missing = [p for p in ("A", "B") if p not in parts]
+        if missing:
+            raise LoraFileError(f"{path}: {raw} has no lora_{'/lora_'.join(missing)} weight")
+        A = np.asarray(checkpoint.get(parts["A"]), np.float32)
+        B = np.asarray(checkpoint.get(parts["B"]), np.float32)
+        if A.ndim != 2 or B.ndim != 2 or A.shape[0] != B.shape[1]:
+            raise LoraFileError(f"{path}: {raw}: lora_A {A.shape} and lora_B {B.shape} are not (rank, in), (out, rank)")
+        rank = A.shape[0]
+        name = resolved[raw]
+        if "alpha" in parts:
+            alpha = float(np.asarray(checkpoint.get(parts["alpha"]), np.float32).reshape(-1)[0])
+        else:
+            alpha = _pattern_alpha(name, alpha_patterns)
+            if alpha is None:
+                alpha = float(rank) if default_alpha is None else default_alpha
+        targets = names[name]
+        total_rows = sum(layers[t].out_features if rows is None else len(rows) for t, rows in targets)
+        if B.shape[0] != total_rows:
+            raise LoraFileError(f"{path}: {raw}: lora_B has {B.shape[0]} rows, the layer ({name}) has {total_rows}")
+        for target, rows in targets:
+            layer = layers[target]
+            if A.shape[1] != layer.in_features:
+                raise LoraFileError(f"{path}: {raw}: lora_A has {A.shape[1]} inputs, {target} has {layer.in_features}")
+            if target in updates:
+                raise LoraFileError(f"{path}: {target} is adapted twice (by {raw} and another key)")
+            updates[target] = LoraUpdate(A, B if rows is None else B[rows], alpha / rank)
+    return LoraFile(path, updates, tuple(sorted(unknown)))
+
+
+def _listing(keys: Sequence[str], limit: int = 8) -> str:
+    keys = sorted(keys)
+    shown = ", ".join(keys[:limit])
+    return f"{shown} (and {len(keys) - limit} more)" if len(keys) > limit else shown
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Applying
+
+
+def parse_lora_arg(spec: str) -> tuple[Path, float]:
+    """`FILE[:WEIGHT]` (generate.py's --lora) -> (path, weight); the weight defaults to 1.0. A colon followed by
+    something that is not a number stays part of the path (Windows drives, odd names)."""
+    path, sep, weight = spec.rpartition(":")
+    if sep:
+        try:
+            return Path(path), float(weight)
+        except ValueError:
+            pass
+    return Path(spec), 1.0
+
+
+def apply_loras(model: nnx.Module, loras: Sequence[tuple[str | Path | LoraFile, float]], fuse: bool = False) -> list[str]:
+    """Apply LoRA files, each `(path or LoraFile, weight)`, to `model`; returns the module paths changed.
+
+    Run time (`fuse=False`): each adapted Linear gets one adapter (`Linear.lora`) holding all files' updates stacked
+    along the rank, A = [A_1; A_2; ...], B = [w_1 s_1 B_1, w_2 s_2 B_2, ...], scale 1: the sum of the weighted
+    updates at the cost of rank_1 + rank_2 + ... extra columns. `remove_lora(model)` takes them off. The model must
+    have no adapters yet.
+
+    Fused (`fuse=True`): `W + sum_i w_i s_i B_i @ A_i`, computed in float32 and cast to W's dtype; no cost per call,
+    not undoable. A quantized weight (`quant.QuantizedArray`) is dequantized to float32, the update added and the
+    result re-quantized in the same format and axis: the fused weight then carries that format's rounding error of
+    the sum (e.g. fp8 e4m3's ~2^-4 relative per element), not of the base alone. Measured on the tiny Krea 2
+    fixture with an MXFP8 (E4M3) base: output relative L2 to diffusers' float32 2.0e-2 without the LoRA, 3.2e-2 with
+    it fused (float32 dense: 4e-7).
+    """
+    files = [(lora if isinstance(lora, LoraFile) else read_lora(lora, model), float(weight)) for lora, weight in loras]
+    layers = dict(linear_layers(model))
+    by_module: dict[str, list[tuple[LoraUpdate, float]]] = {}
+    for file, weight in files:
+        for name, update in file.updates.items():
+            by_module.setdefault(name, []).append((update, weight))
+    if fuse:
+        for name, updates in by_module.items():
+            _fuse(layers[name], sum(w * u.delta() for u, w in updates))
+        return list(by_module)
+    adapted = [name for name, layer in layers.items() if layer.lora is not None]
+    if adapted:
+        raise ValueError(f"{type(model).__name__} already has LoRA adapters ({adapted[0]}, ...); remove_lora(model) "
+                         "first, or fuse=True")
+    for name, updates in by_module.items():
+        A = np.concatenate([u.A for u, _ in updates], axis=0)
+        B = np.concatenate([w * u.scale * u.B for u, w in updates], axis=1)
+        layers[name].lora = nnx.data(LoRA.from_matrices(A, B, 1.0))
+    return list(by_module)
+
+
+def _fuse(layer, delta: np.ndarray) -> None:
+    weight = layer.weight.get_value()
+    if hasattr(weight, "dequantize"):
+        from mxdit.quant.formats import quantize
+
+        per_tensor = weight.format.kind == "fp8" and weight.scale.size == 1
+        fused = weight.dequantize(jnp.float32) + jnp.asarray(delta)
+        layer.weight.set_value(jax.jit(quantize, static_argnames=("fmt", "axis", "per_tensor"))(
+            fused, fmt=weight.fmt, axis=weight.axis, per_tensor=per_tensor))
+    else:
+        layer.weight.set_value((weight.astype(jnp.float32) + jnp.asarray(delta)).astype(weight.dtype))
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Exporting
+
+
+def export_lora(model: nnx.Module, path: str | Path, layout: str = "diffusers") -> None:
+    """Write the model's adapters (training/lora.py's, merged or not) to the safetensors file `path`.
+
+    "diffusers": `transformer.<module>.lora_A.weight` (rank, in) / `.lora_B.weight` (out, rank) float32, with rank and
+    alpha in the metadata `lora_adapter_metadata` as diffusers' `save_lora_weights` writes them, which is what
+    `pipe.load_lora_weights(file)` reads (a single file needs no adapter_config.json).
+    "comfyui": `diffusion_model.<original module name>.lora_A.weight` / `.lora_B.weight` with the scale alpha / rank
+    folded into lora_B, because diffusers' reader of that layout rejects `.alpha` keys and ComfyUI takes alpha = rank
+    without them (Krea 2 only: the original names of its layers map one to one)."""
+    from mxdit.model.krea2 import Krea2Transformer
+
+    if layout not in LAYOUTS:
+        raise ValueError(f"LoRA layout must be one of {', '.join(LAYOUTS)}, got {layout!r}")
+    found = list(adapters(model))
+    if not found:
+        raise ValueError(f"{type(model).__name__} has no LoRA adapters to export")
+    tensors, metadata = {}, {"format": "pt"}
+    if layout == "diffusers":
+        metadata[DIFFUSERS_METADATA_KEY] = diffusers_metadata(model)
+        for name, a in found:
+            tensors[f"transformer.{name}.lora_A.weight"] = np.asarray(a.A[...], np.float32)
+            tensors[f"transformer.{name}.lora_B.weight"] = np.asarray(a.B[...], np.float32)
+    else:
+        if not isinstance(model, Krea2Transformer):
+            raise ValueError(f"the ComfyUI LoRA layout is written for Krea 2 only, not {type(model).__name__}")
+        original = {targets[0][0]: name for name, targets in _krea2_original_names([n for n, _ in found]).items()}
+        for name, a in found:
+            tensors[f"diffusion_model.{original[name]}.lora_A.weight"] = np.asarray(a.A[...], np.float32)
+            tensors[f"diffusion_model.{original[name]}.lora_B.weight"] = np.asarray(a.scale * a.B[...], np.float32)
+    save_safetensors(tensors, Path(path), metadata=metadata)
