@@ -157,16 +157,9 @@ def fold_mx_error(w: QuantizedArray, rows: int = 1) -> float:
 
 def _mx_values(w: QuantizedArray) -> jax.Array:
     """Unscaled element values of an MX array, (rows, blocks, 32) float32."""
-    from mxdit.quant.formats import decode, unpack_fp4, unpack_fp6
+    from mxdit.quant.formats import element_values
 
-    f = w.format
-    if f.element.bits == 4:
-        codes = unpack_fp4(w.data)
-    elif f.element.bits == 6:
-        codes = unpack_fp6(w.data)
-    else:
-        codes = jax.lax.bitcast_convert_type(w.data, jnp.uint8)
-    return decode(codes, f.element).reshape(w.data.shape[0], -1, MX_BLOCK)
+    return element_values(w).reshape(w.data.shape[0], -1, MX_BLOCK)
 
 
 def pack_mx_for_kernel(w: QuantizedArray) -> GemmWeight:
@@ -273,7 +266,9 @@ def dequantize_weight(w: GemmWeight, *, rotated_basis: bool = False) -> jax.Arra
         v = w.data.astype(jnp.float32).reshape(w.n, w.k // BLOCK_K, BLOCK_K) * w.scale.T[..., None]
         return v.reshape(w.n, w.k)
     codes = _unpack_kernel_codes(w)
-    values = _decode_jnp(codes, w.fmt).reshape(w.n, w.k // MX_BLOCK, MX_BLOCK)
+    from mxdit.quant.formats import decode
+
+    values = decode(codes, FORMATS[w.fmt].element).reshape(w.n, w.k // MX_BLOCK, MX_BLOCK)
     exps = w.scale.astype(jnp.int32) - 127
     return jnp.where(exps[..., None] == 128, jnp.nan, jnp.ldexp(values, exps[..., None])).reshape(w.n, w.k)
 
@@ -288,12 +283,6 @@ def _unpack_kernel_codes(w: GemmWeight) -> jax.Array:
         top = jnp.concatenate([(h >> (2 * q)) & 3 for q in range(4)], axis=2).reshape(w.n, w.k)
         codes = codes | (top << 4)
     return codes
-
-
-def _decode_jnp(codes, fmt):
-    from mxdit.quant.formats import decode
-
-    return decode(codes, FORMATS[fmt].element)
 
 
 def scaled_matmul_reference(x: jax.Array, x_scale: jax.Array, w: GemmWeight, *, bias=None, activation: str = "none",

@@ -326,6 +326,19 @@ def _quantize_int8(x, f: Format):
     return q, scale, None
 
 
+def element_values(qa: QuantizedArray) -> jax.Array:
+    """The unscaled element values of a block-scaled (MX, NVFP4) array: its codes unpacked and decoded, float32 of
+    `qa.data`'s leading shape with the padded last axis."""
+    f = qa.format
+    if f.element.bits == 4:
+        codes = unpack_fp4(qa.data)
+    elif f.element.bits == 6:
+        codes = unpack_fp6(qa.data)
+    else:
+        codes = jax.lax.bitcast_convert_type(qa.data, jnp.uint8)
+    return decode(codes, f.element)
+
+
 def _dequantize(qa: QuantizedArray) -> jax.Array:
     f = qa.format
     if f.kind in ("fp8", "int8"):
@@ -333,13 +346,7 @@ def _dequantize(qa: QuantizedArray) -> jax.Array:
         if f.rotated:
             values = _rotate(values, f.block)
     else:
-        if f.element.bits == 4:
-            codes = unpack_fp4(qa.data)
-        elif f.element.bits == 6:
-            codes = unpack_fp6(qa.data)
-        else:
-            codes = jax.lax.bitcast_convert_type(qa.data, jnp.uint8)
-        elements = _blocks(decode(codes, f.element), f.block)
+        elements = _blocks(element_values(qa), f.block)
         if f.kind == "mx":
             bits = jax.lax.bitcast_convert_type(qa.scale, jnp.uint8).astype(jnp.int32)[..., None]
             # ldexp, not a product with 2^exp: 2^-127 itself is a float32 subnormal that XLA would flush to zero

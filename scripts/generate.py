@@ -21,17 +21,13 @@ import tempfile
 import time
 from pathlib import Path
 
+from mxdit.cli import DTYPES, OneLineErrorParser, add_device_arguments, check_device_arguments, mesh_from_arguments
+
 MIN_SIDE, MAX_SIDE, MULTIPLE = 64, 4096, 16
-DTYPES = {"bf16": "bfloat16", "fp32": "float32"}
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line naming what is wrong, no usage dump
-        self.exit(2, f"{self.prog}: error: {message}\n")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = _Parser(prog="generate.py", description="Generate images from text with Krea 2 or FLUX.1.")
+    parser = OneLineErrorParser(prog="generate.py", description="Generate images from text with Krea 2 or FLUX.1.")
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--model", type=Path, help="a diffusers-layout Krea 2 or FLUX.1 folder")
     source.add_argument("--demo", action="store_true", help="the built-in tiny model with random weights")
@@ -51,9 +47,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--tiled-decode", action="store_true", help="decode the VAE in tiles (large images)")
     parser.add_argument("--max-sequence-length", type=int, default=None,
                         help="text tokens (default: Krea 2 512, FLUX.1-dev 512, schnell 256)")
-    parser.add_argument("--mesh", default=None,
-                        help="Krea 2 on several devices, e.g. data=2,seq=4,cfg=2 (axes data, cfg, seq, fsdp; default: "
-                             "one device)")
+    add_device_arguments(parser, "Krea 2 on several devices, e.g. data=2,seq=4,cfg=2 (axes data, cfg, seq, fsdp; "
+                                 "default: one device)")
     parser.add_argument("--sequence-attention", choices=["ulysses", "ring"], default=None,
                         help="with seq > 1 (default: Ulysses when the heads divide by seq, else ring)")
     parser.add_argument("--lora", action="append", default=[], metavar="FILE[:WEIGHT]",
@@ -61,8 +56,6 @@ def parse_args(argv=None) -> argparse.Namespace:
                              "(default 1.0); repeat for several")
     parser.add_argument("--fuse-lora", action="store_true",
                         help="fuse the LoRAs into the weights (no cost per step) instead of applying them at run time")
-    parser.add_argument("--distributed", action="store_true",
-                        help="call jax.distributed.initialize() first (one process per host, same command on each)")
     args = parser.parse_args(argv)
 
     default_side = 256 if args.demo else 1024
@@ -96,13 +89,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         for path, _ in args.loras:
             if not path.is_file():
                 parser.error(f"--lora {path}: no such file")
-    if args.mesh is not None:
-        from mxdit.sharding.mesh import parse_mesh
-
-        try:
-            parse_mesh(args.mesh)
-        except ValueError as e:
-            parser.error(f"--mesh: {e}")
+    check_device_arguments(parser, args)
     args.dtype = args.dtype or ("fp32" if args.demo else "bf16")
     return args
 
@@ -132,19 +119,10 @@ def main(argv=None) -> int:
     from mxdit.model.pipeline_krea2 import demo_pipeline
     from mxdit.model.pipelines import load_pipeline
 
-    if args.distributed:
-        jax.distributed.initialize()  # coordinator, process count and id from the launcher's environment
     dtype = getattr(jnp, DTYPES[args.dtype])
     t0 = time.perf_counter()
     try:
-        mesh = None
-        if args.mesh is not None:
-            from mxdit.sharding.mesh import make_mesh
-
-            try:
-                mesh = make_mesh(args.mesh)
-            except ValueError as e:
-                raise ValueError(f"--mesh: {e}") from None
+        mesh = mesh_from_arguments(args)
         if args.demo:
             pipe = demo_pipeline(Path(tempfile.mkdtemp(prefix="mxdit-demo-tokenizer-")), seed=0, dtype=dtype)
             print("mxdit demo: tiny Krea 2-shaped model with RANDOM weights -- the image is noise, not a picture.")

@@ -79,7 +79,8 @@ def test_multi_device_checks_on_8_simulated_devices():
     cfg 2, data 2, FSDP weights), the Ulysses HLO all-to-all count, ring/Ulysses attention, the sharded pipeline and
     generate.py --mesh, FSDP x data training steps."""
     if jax.device_count() >= 8:  # this process already has the devices (XLA_FLAGS set by hand): run here instead
-        pytest.skip("run tests/sharding_multidevice.py directly in this process")
+        pytest.skip("this process already has 8+ devices, so the child process adds nothing: collect "
+                    "tests/sharding_multidevice.py directly in this run instead")
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8")
     result = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(TESTS / "sharding_multidevice.py")],
