@@ -254,6 +254,14 @@ def _full_tables(cos_half, sin_half):
     return jnp.repeat(cos_half, 2, axis=-1), jnp.repeat(sin_half, 2, axis=-1)
 
 
+def _round_half_even(x: jax.Array) -> jax.Array:
+    """jnp.round (half to even) from floor alone: the Triton lowering has no `round` primitive (found on the GPU),
+    and the add-and-subtract-2^23 trick is folded away by XLA in interpret mode."""
+    r = jnp.floor(x + 0.5)
+    tie_to_odd = (r - x == 0.5) & (r - 2.0 * jnp.floor(r * 0.5) == 1.0)
+    return jnp.where(tie_to_odd, r - 1.0, r)
+
+
 def _rms_rope_quantize(x, weight, eps, cos_half, sin_half, mean, lengths, multiplier, block, interpret):
     """The kernel: a program per (batch, block of `block` tokens, head)."""
     from jax.experimental import pallas as pl
@@ -289,8 +297,8 @@ def _rms_rope_quantize(x, weight, eps, cos_half, sin_half, mean, lengths, multip
             real, imag = jnp.where(keep, real, 0.0), jnp.where(keep, imag, 0.0)
         amax = jnp.maximum(jnp.max(jnp.abs(real)), jnp.max(jnp.abs(imag)))
         step = jnp.where(amax > 0, amax / 127.0, 1.0)
-        q_ref[:, pl.ds(0, half)] = jnp.clip(jnp.round(real / step), -127, 127).astype(jnp.int8)
-        q_ref[:, pl.ds(half, half)] = jnp.clip(jnp.round(imag / step), -127, 127).astype(jnp.int8)
+        q_ref[:, pl.ds(0, half)] = jnp.clip(_round_half_even(real / step), -127, 127).astype(jnp.int8)
+        q_ref[:, pl.ds(half, half)] = jnp.clip(_round_half_even(imag / step), -127, 127).astype(jnp.int8)
         scale_ref[...] = step
 
     qi, qs = pl.pallas_call(

@@ -177,3 +177,11 @@ def test_fused_attention_matches_attention_of_normed_rotated_inputs(pv):
     truth = exact(qn, kn, v, lengths)
     assert relative_l1(out, unfused) <= 1e-3  # the same codes, so the same attention up to summation order
     assert cosine(out, truth) >= 0.999 and relative_l1(out, truth) <= BOUNDS[pv]
+
+
+def test_round_half_even_without_a_round_primitive():
+    """The fused prologue's rounding (the Triton lowering has no `round`) is jnp.round, ties to even included."""
+    from mxdit.pallas_kernels.attention import _round_half_even
+
+    x = jnp.concatenate([jnp.arange(-130.0, 130.0, 0.5), jax.random.normal(jax.random.key(0), (4096,)) * 60])
+    np.testing.assert_array_equal(np.asarray(jax.jit(_round_half_even)(x)), np.asarray(jnp.round(x)))
