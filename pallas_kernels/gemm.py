@@ -308,10 +308,10 @@ def scaled_matmul_reference(x: jax.Array, x_scale: jax.Array, w: GemmWeight, *, 
 
 @dataclasses.dataclass(frozen=True)
 class MosaicConfig:
-    """Tiles of the Mosaic GPU kernel. Each of the two compute warpgroups owns `tile_m` x `tile_n` of the output (the
-    CTA covers 2 * tile_m rows); the K step is 128. `max_concurrent_steps`: shared-memory pipeline depth.
-    `grid_tile_width`: how many tiles along the minor grid dimension the persistent loop sweeps before turning
-    (output tiles that share operands run close together in time, so they hit L2)."""
+    """Tiles of the Mosaic GPU kernel. Each of the `compute_wgs` compute warpgroups owns `tile_m` x `tile_n` of the
+    output (the CTA covers compute_wgs * tile_m rows); the K step is 128. `max_concurrent_steps`: shared-memory
+    pipeline depth. `grid_tile_width`: how many tiles along the minor grid dimension the persistent loop sweeps before
+    turning (output tiles that share operands run close together in time, so they hit L2)."""
 
     tile_m: int = 128
     tile_n: int = 128
@@ -319,13 +319,16 @@ class MosaicConfig:
     epi_tile_n: int = 64
     grid_minor_n: bool = True
     grid_tile_width: int = 8
+    compute_wgs: int = 2
 
 
 def default_mosaic_config(m: int, n: int, k: int, block_scaled: bool) -> MosaicConfig:
     """The tiles the benchmark picked for this kind of shape on an H200 (see pallas_kernels/NOTES.md)."""
     if block_scaled:
         # Promotion keeps a partial and a total accumulator in registers: 64 x 128 per warpgroup leaves room for both.
-        return MosaicConfig(tile_m=64, tile_n=128, max_concurrent_steps=4)
+        # Three compute warpgroups keep the tensor cores busy while the others promote (1387 vs 1143 TFLOP/s at
+        # 4608x6144x6144); they need M to be a multiple of 192, or padding rows would cost more than they gain.
+        return MosaicConfig(tile_m=64, tile_n=128, max_concurrent_steps=4, compute_wgs=3 if m % 192 == 0 else 2)
     if m <= 2048:  # more, smaller tiles fill the 132 SMs better (1302 vs 1148 TFLOP/s at M = 1024)
         return MosaicConfig(tile_m=64, tile_n=128, max_concurrent_steps=4)
     return MosaicConfig(tile_m=128, tile_n=128, max_concurrent_steps=3)
@@ -340,7 +343,8 @@ def _mosaic_gemm(x, x_scale, w_data, w_scale, bias, residual, gate, *, x_blocks,
     m, k = x.shape
     n = w_data.shape[0]
     tm, tn, tk = config.tile_m, config.tile_n, BLOCK_K
-    cta_m = 2 * tm
+    wgs = config.compute_wgs
+    cta_m = wgs * tm
     if m % cta_m or n % tn or k % tk:
         raise ValueError(f"mosaic gemm: ({m}, {k}) x ({n}, {k}) must be multiples of ({cta_m}, {tk}) x ({tn}, {tk})")
     m_iters, n_iters, k_iters = m // cta_m, n // tn, k // tk
@@ -377,7 +381,7 @@ def _mosaic_gemm(x, x_scale, w_data, w_scale, bias, residual, gate, *, x_blocks,
             if w_blocks:
                 specs.append(plgpu.BlockSpec((1, tn), lambda kk: (kk, 0)))
             return plgpu.emit_pipeline_warp_specialized(
-                body, grid=(k_iters,), memory_registers=40, in_specs=specs, wg_axis="wg", num_compute_wgs=2,
+                body, grid=(k_iters,), memory_registers=40, in_specs=specs, wg_axis="wg", num_compute_wgs=wgs,
                 max_concurrent_steps=steps, compute_context=compute_context)
 
         @plgpu.nd_loop((m_iters * n_iters,), collective_axes="sm")
@@ -482,13 +486,13 @@ def _mosaic_gemm(x, x_scale, w_data, w_scale, bias, residual, gate, *, x_blocks,
         out_type=jax.ShapeDtypeStruct((m, n), out_dtype),
         grid=(min(num_sms, m_iters * n_iters),),
         grid_names=("sm",),
-        num_threads=3,
+        num_threads=wgs + 1,
         thread_name="wg",
         scratch_types=dict(
-            out_smem=plgpu.SMEM((2, 2, tm, epi_n), out_dtype, transforms=out_transforms),
-            row_smem=plgpu.SMEM((2, tm), jnp.float32),
-            col_smem=plgpu.SMEM((2, max(len(col_vectors), 1), tn), jnp.float32),
-            barriers=plgpu.Barrier(num_barriers=2 * n_barriers),
+            out_smem=plgpu.SMEM((wgs, 2, tm, epi_n), out_dtype, transforms=out_transforms),
+            row_smem=plgpu.SMEM((wgs, tm), jnp.float32),
+            col_smem=plgpu.SMEM((wgs, max(len(col_vectors), 1), tn), jnp.float32),
+            barriers=plgpu.Barrier(num_barriers=wgs * n_barriers),
         ),
         interpret=_mosaic_interpret() if interpret else None,
     )
@@ -686,7 +690,7 @@ def scaled_matmul(x: jax.Array, w: GemmWeight, x_scale: jax.Array | None = None,
     ws = w.scale
     config = config or default_mosaic_config(m, w.n, w.k, x_blocks or w_blocks)
     # The kernel takes whole tiles: pad rows and columns (cheap next to the product for DiT shapes, which need none).
-    cta_m, tn = 2 * config.tile_m, config.tile_n
+    cta_m, tn = config.compute_wgs * config.tile_m, config.tile_n
     pm, pn = (-m) % cta_m, (-w.n) % tn
     data = w.data
     if pm:

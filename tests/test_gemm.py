@@ -53,6 +53,18 @@ def test_mosaic_kernel_with_mx_folded_per_128x128_tile(scaling):
     assert gemm.fold_mx_error(quantize(w, "mxfp6_e2m3"), rows=128) == 0.0  # ordinary weights: still exact
 
 
+@pytest.mark.parametrize("scaling", ["token", "block"])
+def test_mosaic_kernel_with_three_compute_warpgroups(scaling):
+    """CTA rows split over three warpgroups (the default for block-scaled products when M allows)."""
+    x, w = _operands(3)
+    wq = gemm.prepare_weight(w, "fp8_e4m3", backend="mosaic")
+    xq, xs = gemm.quantize_activations(x, scaling)
+    config = gemm.MosaicConfig(64, 64, 2, compute_wgs=3)
+    y = gemm.scaled_matmul(xq, wq, xs, backend="mosaic", config=config, interpret=True, out_dtype=jnp.float32)
+    ref = gemm.scaled_matmul_reference(xq, xs, wq, out_dtype=jnp.float32)
+    assert relative_l2(np.asarray(y), np.asarray(ref)) < 1e-6
+
+
 @pytest.mark.parametrize("fmt,scaling", [("fp8_e4m3", "token"), ("fp8_e4m3", "block"), ("mxfp8_e4m3", "token"),
                                          ("mxfp6_e2m3", "block"), ("mxfp6_e3m2", "token"), ("mxfp4_e2m1", "token"),
                                          ("int8", "token"), ("int8_rot", "token")])
