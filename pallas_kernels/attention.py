@@ -143,7 +143,9 @@ def _int8_attention_kernel(qi, qs, ki, ks, v32, kv_lengths, *, pv, block_q, bloc
     # (batch, heads, seq, dim) layouts padded to whole blocks; scales (batch, heads, blocks)
     qi = jnp.pad(qi, ((0, 0), (0, pad_q), (0, 0), (0, 0))).transpose(0, 2, 1, 3)
     ki = jnp.pad(ki, ((0, 0), (0, pad_k), (0, 0), (0, 0))).transpose(0, 2, 1, 3)
-    vb = jnp.pad(vb, ((0, 0), (0, pad_k), (0, 0), (0, 0))).transpose(0, 2, 1, 3)
+    # FP8 V goes in as (dim, seq): K-major, the layout Hopper's 8-bit wgmma takes its B operand in (with V as
+    # (seq, dim) the Triton lowering's FP8 P.V was wrong on the H200, rel L1 0.13, though right in interpret mode).
+    vb = jnp.pad(vb, ((0, 0), (0, pad_k), (0, 0), (0, 0))).transpose((0, 2, 3, 1) if pv == "fp8" else (0, 2, 1, 3))
     qs, ks = qs.transpose(0, 2, 1), ks.transpose(0, 2, 1)
     n_q, n_k = qi.shape[2] // block_q, ki.shape[2] // block_k
 
@@ -165,11 +167,12 @@ def _int8_attention_kernel(qi, qs, ki, ks, v32, kv_lengths, *, pv, block_q, bloc
             alpha = jnp.exp(m - m_new)
             p = jnp.exp(s - m_new[:, None])
             l_new = l * alpha + jnp.sum(p, axis=1)
-            v_blk = v_ref[0, 0, pl.ds(start, block_k), :]
             if pv == "fp8":
+                v_blk = v_ref[0, 0, :, pl.ds(start, block_k)].T
                 pv_blk = jnp.dot((p * 448.0).astype(jnp.float8_e4m3fn), v_blk, preferred_element_type=jnp.float32)
                 pv_blk = pv_blk * (1.0 / 448.0)
             else:
+                v_blk = v_ref[0, 0, pl.ds(start, block_k), :]
                 pv_blk = jnp.dot(p.astype(jnp.bfloat16), v_blk, preferred_element_type=jnp.float32)
             acc = acc * alpha[:, None] + pv_blk
             return m_new, l_new, acc
@@ -190,7 +193,7 @@ def _int8_attention_kernel(qi, qs, ki, ks, v32, kv_lengths, *, pv, block_q, bloc
             pl.BlockSpec((1, 1, n_q), lambda bh, iq: (bh // h, bh % h, 0)),
             pl.BlockSpec((1, 1, ki.shape[2], d), lambda bh, iq: (*kv_head(bh), 0, 0)),
             pl.BlockSpec((1, 1, n_k), lambda bh, iq: (*kv_head(bh), 0)),
-            pl.BlockSpec((1, 1, vb.shape[2], d), lambda bh, iq: (*kv_head(bh), 0, 0)),
+            pl.BlockSpec((1, 1, *vb.shape[2:]), lambda bh, iq: (*kv_head(bh), 0, 0)),
             pl.BlockSpec((1, 1, d), lambda bh, iq: (*kv_head(bh), 0)),
         ],
         out_specs=pl.BlockSpec((1, 1, block_q, d), lambda bh, iq: (bh // h, bh % h, iq, 0)),
