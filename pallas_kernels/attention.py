@@ -1,9 +1,9 @@
 """INT8-QK attention (SageAttention-style) for DiTs: the plain-jnp reference that defines its numerics, and the
 portable Pallas kernel (Triton lowering) that computes it.
 
-The kernels must agree with `int8_attention_reference`, which CPU tests also measure against exact attention. Still
-to come (issue #8): the Mosaic GPU kernel (the Triton one reaches about half of cuDNN's speed on the H200, NOTES.md)
-and the fused RMSNorm+RoPE+quantize prologue. The recipe (`../shared/reference/formats_and_kernels.md`):
+The kernels must agree with `int8_attention_reference`, which CPU tests also measure against exact attention. The
+Mosaic GPU (Hopper, wgmma) kernel `_int8_attention_mosaic` is `int8_attention(backend="mosaic")`; the Triton one
+reaches about half of cuDNN's speed on the H200 (NOTES.md). The recipe (`../shared/reference/formats_and_kernels.md`):
 
 - K smoothing: the mean of K over the key sequence (per head and channel) is subtracted. Softmax is invariant to a
   per-row constant, so the output is unchanged, while the channel outliers real DiTs have in K stop dominating the
