@@ -1,5 +1,5 @@
 """INT8-QK attention (SageAttention-style) for DiTs: the plain-jnp reference that defines its numerics, and the
-portable Pallas kernel (Triton lowering) that computes it.
+Pallas kernels that compute it (Triton lowering, portable; Mosaic GPU, Hopper).
 
 The kernels must agree with `int8_attention_reference`, which CPU tests also measure against exact attention. The
 Mosaic GPU (Hopper, wgmma) kernel `_int8_attention_mosaic` is `int8_attention(backend="mosaic")`; the Triton one
