@@ -1,9 +1,9 @@
 """INT8-QK attention (SageAttention-style) for DiTs: the plain-jnp reference that defines its numerics, and the
-portable Pallas kernel (Triton lowering) that computes it.
+Pallas kernels that compute it (Triton lowering, portable; Mosaic GPU, Hopper).
 
-The kernels must agree with `int8_attention_reference`, which CPU tests also measure against exact attention. Still
-to come (issue #8): the Mosaic GPU kernel (the Triton one reaches about half of cuDNN's speed on the H200, NOTES.md)
-and the fused RMSNorm+RoPE+quantize prologue. The recipe (`../shared/reference/formats_and_kernels.md`):
+The kernels must agree with `int8_attention_reference`, which CPU tests also measure against exact attention. The
+Mosaic GPU (Hopper, wgmma) kernel `_int8_attention_mosaic` is `int8_attention(backend="mosaic")`; the Triton one
+reaches about half of cuDNN's speed on the H200 (NOTES.md). The recipe (`../shared/reference/formats_and_kernels.md`):
 
 - K smoothing: the mean of K over the key sequence (per head and channel) is subtracted. Softmax is invariant to a
   per-row constant, so the output is unchanged, while the channel outliers real DiTs have in K stop dominating the
@@ -18,6 +18,9 @@ and the fused RMSNorm+RoPE+quantize prologue. The recipe (`../shared/reference/f
 """
 
 from __future__ import annotations
+
+import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -103,22 +106,40 @@ def int8_attention_reference(q: jax.Array, k: jax.Array, v: jax.Array, *, kv_len
 
 
 def int8_attention(q, k, v, *, kv_lengths=None, pv: str = "bf16", block_q: int = 64, block_k: int = 64,
-                   scale: float | None = None, interpret: bool = False, num_warps: int = 4,
-                   num_stages: int = 2) -> jax.Array:
-    """INT8-QK attention through Pallas' Triton lowering; same arguments and result as `int8_attention_reference`
+                   scale: float | None = None, interpret: bool = False, num_warps: int = 4, num_stages: int = 2,
+                   backend: str = "triton") -> jax.Array:
+    """INT8-QK attention through a Pallas kernel; same arguments and result as `int8_attention_reference`
     (online softmax instead of a full one: equal up to rounding).
 
     pv "bf16": P.V in bf16. "fp8": V per channel in E4M3 (scale amax / 448, over the valid keys), P (the running,
     unnormalised exponentials, in [0, 1]) times 448 in E4M3; each key block's FP8 product accumulates in float32 in
     the dot, then adds into the float32 accumulator (two-level accumulation); the V scale is applied once at the end.
-    The grid is (batch * heads, query blocks); each program walks the key blocks up to its batch element's length.
-    GQA reads KV head n // group through the index maps, so K/V are never repeated in memory."""
+    Each program walks the key blocks up to its batch element's length. GQA reads KV head n // group, so K/V are
+    never repeated in memory.
+
+    backend "triton": the portable kernel (`_int8_attention_kernel`; num_warps, num_stages are Triton's).
+    "mosaic": the Hopper kernel (`_int8_attention_mosaic`; block_q must be 64, the rows of one warpgroup, and
+    num_stages is the depth of its K/V ring)."""
     _, scale = _heads_and_scale(q, k, scale)
     if pv not in ("bf16", "fp8"):
         raise ValueError(f"pv must be 'bf16' or 'fp8', got {pv!r}")
     qi, qs, ki, ks, v32, _ = _prologue(q, k, v, kv_lengths, block_q, block_k, scale)
-    return _int8_attention_kernel(qi, qs, ki, ks, v32, kv_lengths, pv=pv, block_q=block_q, block_k=block_k,
-                                  interpret=interpret, num_warps=num_warps, num_stages=num_stages)
+    return _attention_backend(qi, qs, ki, ks, v32, kv_lengths, pv=pv, block_q=block_q, block_k=block_k,
+                              interpret=interpret, num_warps=num_warps, num_stages=num_stages, backend=backend)
+
+
+def _attention_backend(qi, qs, ki, ks, v32, kv_lengths, *, pv, block_q, block_k, interpret, num_warps, num_stages,
+                       backend):
+    if backend == "triton":
+        return _int8_attention_kernel(qi, qs, ki, ks, v32, kv_lengths, pv=pv, block_q=block_q, block_k=block_k,
+                                      interpret=interpret, num_warps=num_warps, num_stages=num_stages)
+    if backend == "mosaic":
+        if block_q != MOSAIC_ROWS:
+            raise ValueError(f"the mosaic backend quantizes Q per {MOSAIC_ROWS} rows (one warpgroup): block_q must "
+                             f"be {MOSAIC_ROWS}, got {block_q}")
+        return _int8_attention_mosaic(qi, qs, ki, ks, v32, kv_lengths, pv=pv, block_k=block_k, num_stages=num_stages,
+                                      interpret=interpret)
+    raise ValueError(f"backend must be 'triton' or 'mosaic', got {backend!r}")
 
 
 def _int8_attention_kernel(qi, qs, ki, ks, v32, kv_lengths, *, pv, block_q, block_k, interpret, num_warps,
@@ -202,6 +223,258 @@ def _int8_attention_kernel(qi, qs, ki, ks, v32, kv_lengths, *, pv, block_q, bloc
         interpret=interpret,
     )(lengths, qi, qs, ki, ks, vb, v_scale)
     return out[:, :, :sq].transpose(0, 2, 1, 3)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# The Hopper kernel: Pallas Mosaic GPU (wgmma, TMA, warp specialization), FA3's structure with INT8 Q.K^T
+
+MOSAIC_ROWS = 64  # query rows per compute warpgroup (wgmma's M); also the Q quantization block of this backend
+
+
+def _mosaic_transforms(itemsize: int, minor: int):
+    """Shared-memory tiling and swizzle for a tile whose minor dimension has `minor` elements: wgmma and TMA need
+    tiles of 8 rows times one swizzle span."""
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+
+    swizzle = plgpu.find_swizzle(minor * itemsize * 8)
+    return plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle)
+
+
+def _int8_attention_mosaic(qi, qs, ki, ks, v32, kv_lengths, *, pv, block_k, num_stages, p_in_smem=None,
+                           interpret=False, lower_only=False):
+    """The Mosaic GPU kernel on quantized Q (per 64 rows) and K (per `block_k` keys), (batch, seq, heads, dim) int8
+    with scales (batch, seq blocks, heads), and V (batch, kv_len, kv_heads, dim) float32 with masked keys zeroed.
+    Returns float32 (batch, q_len, heads, dim).
+
+    A CTA (grid: heads, blocks of 128 query rows, batch) runs three warpgroups: two compute warpgroups of 64 query
+    rows each, and a memory warpgroup that streams K and V blocks by TMA into a `num_stages` ring (a "full" barrier
+    per slot for the copies, a "free" barrier per slot that both compute warpgroups arrive at). Each compute
+    warpgroup: S = wgmma(Q int8 from shared memory, K block^T) with int32 accumulation (8-bit wgmma wants both
+    operands K-major: Q (rows, dim) and K (keys, dim) already are), times q_scale * k_scale in float32, the key mask
+    on the last block only, online softmax in base 2, then P.V. A schedule barrier alternates the two warpgroups'
+    wgmmas (FA3's ping-pong) so one's softmax overlaps the other's matrix products.
+
+    P.V: "bf16" with P from registers (wgmma's A operand) and V (keys, dim) from shared memory, accumulating into
+    the running accumulator in place. "fp8": V^T (dim, keys) E4M3 from shared memory (8-bit B must be K-major, so
+    the transpose happens in XLA before), P * 448 in E4M3 through shared memory (the register A operand of an 8-bit
+    wgmma needs a layout the softmax's values are not in), each key block's product in a fresh float32 accumulator
+    added into the running one (two-level accumulation); 1/448 and V's channel scale are applied after the kernel.
+    `p_in_smem` (default: only for fp8 and in interpret mode, whose wgmma reads operands from shared memory only)
+    sends bf16 P through shared memory too, with the same two-level accumulation.
+
+    `lower_only`: return the lowered (cuda) computation instead of running it; CPU tests use it to check that the
+    real Mosaic lowering accepts every variant.
+    """
+    import jax.experimental.pallas as pl
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+    from jax import lax
+
+    b, sq, h, d = qi.shape
+    sk, hk = ki.shape[1], ki.shape[2]
+    group = h // hk
+    rows = MOSAIC_ROWS
+    if d % 64 or d > 256 or block_k % 64 or block_k > 256:
+        raise ValueError(f"mosaic attention: head_dim {d} and block_k {block_k} must be multiples of 64, at most 256")
+    if qs.shape[1] != pl.cdiv(sq, rows):
+        raise ValueError(f"mosaic attention: Q must be quantized per {rows} rows")
+    if p_in_smem is None:
+        p_in_smem = interpret
+    p_in_smem = p_in_smem or pv == "fp8"
+    if interpret and not p_in_smem:
+        raise ValueError("the Mosaic GPU interpreter's wgmma reads A from shared memory only: p_in_smem=True")
+    pad_q, pad_k = (-sq) % (2 * rows), (-sk) % block_k
+    n_q, n_k = (sq + pad_q) // (2 * rows), (sk + pad_k) // block_k
+    stages = max(1, min(num_stages, n_k))
+    lengths = jnp.full((b,), sk, jnp.int32) if kv_lengths is None else kv_lengths.astype(jnp.int32)
+    tail_masked = kv_lengths is not None or pad_k > 0  # else no key of any block is masked
+    qi = jnp.pad(qi, ((0, 0), (0, pad_q), (0, 0), (0, 0)))
+    ki = jnp.pad(ki, ((0, 0), (0, pad_k), (0, 0), (0, 0)))
+    # scales read as scalars from global memory: (batch, heads, blocks); padded query rows get scale 1
+    qs = jnp.pad(qs, ((0, 0), (0, 2 * n_q - qs.shape[1]), (0, 0)), constant_values=1.0).transpose(0, 2, 1)
+    ks = ks.transpose(0, 2, 1)
+    if pv == "fp8":  # masked keys were zeroed by the prologue, so they do not enter the channel range
+        v_amax = jnp.max(jnp.abs(v32), axis=1)  # (batch, kv_heads, dim)
+        v_scale = jnp.where(v_amax > 0, v_amax / 448.0, 1.0)
+        vb = (v32 / v_scale[:, None]).astype(jnp.float8_e4m3fn)
+        vb = jnp.pad(vb, ((0, 0), (0, pad_k), (0, 0), (0, 0))).transpose(0, 2, 3, 1)  # (batch, kv_heads, dim, keys)
+        v_block, v_transforms, p_dtype = (d, block_k), _mosaic_transforms(1, block_k), jnp.float8_e4m3fn
+    else:
+        vb = jnp.pad(v32.astype(jnp.bfloat16), ((0, 0), (0, pad_k), (0, 0), (0, 0)))
+        v_block, v_transforms, p_dtype = (block_k, d), _mosaic_transforms(2, d), jnp.bfloat16
+    wgmma_layout = plgpu.Layout.WGMMA
+    log2e = math.log2(math.e)
+
+    def kernel(q_gmem, qs_gmem, k_gmem, ks_gmem, v_gmem, len_gmem, o_gmem, scoped):
+        (q_smem, k_smem, v_smem, p_smem, o_smem), (q_full, k_full, v_full), (k_free, v_free), schedule = scoped
+        head, q_block, batch = lax.axis_index("heads"), lax.axis_index("q_seq"), lax.axis_index("batch")
+        wg = lax.axis_index("wg")
+        kv_head = head // group
+        length = len_gmem[batch]
+        steps = (length + block_k - 1) // block_k  # only the key blocks holding valid keys
+
+        def schedule_barrier():
+            plgpu.barrier_arrive(schedule)
+            plgpu.barrier_wait(schedule)
+
+        @pl.when(wg < 2)
+        def _compute():
+            plgpu.set_max_registers(240, action="increase")
+            row0 = q_block * (2 * rows) + wg * rows
+            plgpu.copy_gmem_to_smem(q_gmem.at[batch, pl.ds(row0, rows), head], q_smem.at[wg], q_full.at[wg])
+            q_scale = qs_gmem[batch, head, q_block * 2 + wg] * log2e  # logits in base 2: exp2 below
+            plgpu.barrier_wait(q_full.at[wg])
+            m = plgpu.layout_cast(jnp.full((rows,), -jnp.inf, jnp.float32), wgmma_layout.reduce(1))
+            l = plgpu.layout_cast(jnp.zeros((rows,), jnp.float32), wgmma_layout.reduce(1))
+            acc = plgpu.layout_cast(jnp.zeros((rows, d), jnp.float32), wgmma_layout)
+
+            @pl.when(steps > 0)
+            def _():
+                plgpu.barrier_wait(k_full.at[0])
+
+            pl.when(wg == 1)(schedule_barrier)
+
+            def step(j, carry, masked):
+                acc, m, l = carry
+                slot = lax.rem(j, stages)
+
+                def qk(acc_ref):
+                    plgpu.wgmma(acc_ref, q_smem.at[wg], k_smem.at[slot].transpose((1, 0)))
+                    schedule_barrier()
+                    return acc_ref[...]
+
+                s = pl.run_scoped(qk, plgpu.ACC((rows, block_k), jnp.int32))
+                plgpu.barrier_arrive(k_free.at[slot])
+                s = s.astype(jnp.float32) * (q_scale * ks_gmem[batch, kv_head, j])
+                if masked:
+                    cols = plgpu.broadcasted_iota(jnp.int32, (rows, block_k), 1, layout=wgmma_layout)
+                    s = jnp.where(cols < length - j * block_k, s, -jnp.inf)
+                m_new = jnp.maximum(m, s.max(axis=1))
+                alpha = jnp.exp2(m - m_new)
+                m = m_new
+                p = jnp.exp2(s - lax.broadcast_in_dim(m, s.shape, [0]))
+                l = l * alpha + p.sum(axis=1)
+                acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+                p = (p * 448.0).astype(p_dtype) if pv == "fp8" else p.astype(p_dtype)
+                if p_in_smem:
+                    p_smem.at[wg][...] = p
+                    plgpu.commit_smem()  # visible to wgmma's (async proxy) reads
+                    acc, l, m = lax.optimization_barrier((acc, l, m))
+                else:  # the softmax completes before the barriers below (FA3's ordering, measured faster there)
+                    acc, l, m, p = lax.optimization_barrier((acc, l, m, p))
+                plgpu.barrier_arrive(schedule)  # softmax done
+                plgpu.barrier_wait(v_full.at[slot])
+                plgpu.barrier_wait(schedule)  # the other warpgroup's matrix products are issued
+
+                def wait_next_k():
+                    @pl.when(j + 1 < steps)
+                    def _():
+                        plgpu.barrier_wait(k_full.at[lax.rem(j + 1, stages)])
+
+                v_op = v_smem.at[slot].transpose((1, 0)) if pv == "fp8" else v_smem.at[slot]
+                if p_in_smem:
+                    def pv_block(acc_ref):
+                        plgpu.wgmma(acc_ref, p_smem.at[wg], v_op)
+                        wait_next_k()
+                        return acc_ref[...]
+
+                    block = pl.run_scoped(pv_block, plgpu.ACC((rows, d), jnp.float32))
+                    acc = acc + block
+                else:
+                    def pv_in_place(acc_ref):
+                        plgpu.wgmma(acc_ref, p, v_op)
+                        wait_next_k()
+
+                    acc = pl.run_state(pv_in_place)(plgpu.ACC.init(acc))
+                plgpu.barrier_arrive(v_free.at[slot])
+                return acc, m, l
+
+            carry = (acc, m, l)
+            if tail_masked:  # the mask is needed on the last block only
+                last = jnp.maximum(steps - 1, 0)
+                carry = lax.fori_loop(0, last, functools.partial(step, masked=False), carry)
+                carry = lax.fori_loop(last, steps, functools.partial(step, masked=True), carry)
+            else:
+                carry = lax.fori_loop(0, steps, functools.partial(step, masked=False), carry)
+            acc, m, l = carry
+            pl.when(wg == 0)(schedule_barrier)
+            o_smem.at[wg][...] = acc * lax.broadcast_in_dim(1.0 / l, acc.shape, [0])
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(o_smem.at[wg], o_gmem.at[batch, pl.ds(row0, rows), head])
+            plgpu.wait_smem_to_gmem(0)
+
+        @pl.when(wg == 2)
+        def _memory():
+            plgpu.set_max_registers(40, action="decrease")
+
+            def v_slice(j):
+                if pv == "fp8":
+                    return v_gmem.at[batch, kv_head, :, pl.ds(j * block_k, block_k)]
+                return v_gmem.at[batch, pl.ds(j * block_k, block_k), kv_head]
+
+            def load(j, slot):
+                plgpu.copy_gmem_to_smem(k_gmem.at[batch, pl.ds(j * block_k, block_k), kv_head], k_smem.at[slot],
+                                        k_full.at[slot])
+                plgpu.copy_gmem_to_smem(v_slice(j), v_smem.at[slot], v_full.at[slot])
+
+            for i in range(stages):
+                pl.when(i < steps)(functools.partial(load, i, i))
+
+            @pl.loop(0, steps - stages)
+            def _(j):
+                slot = lax.rem(j, stages)
+                plgpu.barrier_wait(k_free.at[slot])
+                plgpu.copy_gmem_to_smem(k_gmem.at[batch, pl.ds((j + stages) * block_k, block_k), kv_head],
+                                        k_smem.at[slot], k_full.at[slot])
+                plgpu.barrier_wait(v_free.at[slot])
+                plgpu.copy_gmem_to_smem(v_slice(j + stages), v_smem.at[slot], v_full.at[slot])
+
+            # The last use of each slot is released too before the barriers go (the interpreter checks that every
+            # waiter saw every phase; on the GPU this only waits for the compute warpgroups' last steps).
+            for i in range(stages):
+                @pl.when(i < steps)
+                def _():
+                    plgpu.barrier_wait(k_free.at[i])
+                    plgpu.barrier_wait(v_free.at[i])
+
+    def entry(q_gmem, qs_gmem, k_gmem, ks_gmem, v_gmem, len_gmem, o_gmem):
+        int8_transforms = _mosaic_transforms(1, d)
+        smem = [
+            plgpu.SMEM((2, rows, d), jnp.int8, transforms=int8_transforms),
+            plgpu.SMEM((stages, block_k, d), jnp.int8, transforms=int8_transforms),
+            plgpu.SMEM((stages, *v_block), vb.dtype, transforms=v_transforms),
+            plgpu.SMEM((2, rows, block_k), p_dtype, transforms=_mosaic_transforms(jnp.dtype(p_dtype).itemsize,
+                                                                                   block_k)) if p_in_smem else None,
+            plgpu.SMEM((2, rows, d), jnp.float32, transforms=_mosaic_transforms(4, d)),
+        ]
+        pl.run_scoped(
+            lambda *scoped: kernel(q_gmem, qs_gmem, k_gmem, ks_gmem, v_gmem, len_gmem, o_gmem, scoped),
+            smem,
+            (plgpu.Barrier(num_barriers=2), plgpu.Barrier(num_barriers=stages), plgpu.Barrier(num_barriers=stages)),
+            (plgpu.Barrier(num_arrivals=2, num_barriers=stages),) * 2,
+            plgpu.Barrier(num_arrivals=2),
+            collective_axes="wg",
+        )
+
+    call = plgpu.kernel(
+        entry,
+        out_type=jax.ShapeDtypeStruct((b, 2 * n_q * rows, h, d), jnp.float32),
+        grid=(h, n_q, b),
+        grid_names=("heads", "q_seq", "batch"),
+        num_threads=3,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(approx_math=True),
+        interpret=plgpu.InterpretGPUParams() if interpret else None,
+    )
+
+    def run(qi, qs, ki, ks, vb, lengths):
+        out = call(qi, qs, ki, ks, vb, lengths)[:, :sq]
+        if pv == "fp8":
+            out = out * jnp.repeat(v_scale / 448.0, group, axis=1)[:, None]
+        return out
+
+    if lower_only:
+        return jax.jit(run).trace(qi, qs, ki, ks, vb, lengths).lower(lowering_platforms=("cuda",))
+    return run(qi, qs, ki, ks, vb, lengths)
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -329,10 +602,11 @@ def _rms_rope_quantize(x, weight, eps, cos_half, sin_half, mean, lengths, multip
 
 def int8_attention_fused(q, k, v, norm_q, norm_k, eps: float, cos, sin, *, kv_lengths=None, pv: str = "bf16",
                          block_q: int = 64, block_k: int = 64, scale: float | None = None, interpret: bool = False,
-                         num_warps: int = 4, num_stages: int = 2) -> jax.Array:
+                         num_warps: int = 4, num_stages: int = 2, backend: str = "triton") -> jax.Array:
     """`int8_attention` of the normed and rotated Q and K, from the raw projections: the fused prologue
-    (`int8_qk_prologue`) replaces the models' RMSNorm and rotary steps and the quantization pass. Arguments as
-    `int8_qk_prologue` and `int8_attention`; returns float32 (batch, seq, heads, head_dim)."""
+    (`int8_qk_prologue`, Triton lowering) replaces the models' RMSNorm and rotary steps and the quantization pass.
+    Arguments as `int8_qk_prologue` and `int8_attention` (backend: the attention kernel's); returns float32
+    (batch, seq, heads, head_dim)."""
     _, scale = _heads_and_scale(q, k, scale)
     if pv not in ("bf16", "fp8"):
         raise ValueError(f"pv must be 'bf16' or 'fp8', got {pv!r}")
@@ -340,5 +614,5 @@ def int8_attention_fused(q, k, v, norm_q, norm_k, eps: float, cos, sin, *, kv_le
                                       block_k=block_k, interpret=interpret)
     valid = jnp.ones(k.shape[:2], bool) if kv_lengths is None else jnp.arange(k.shape[1])[None] < kv_lengths[:, None]
     v32 = jnp.where(valid[:, :, None, None], v.astype(jnp.float32), 0.0)
-    return _int8_attention_kernel(qi, qs, ki, ks, v32, kv_lengths, pv=pv, block_q=block_q, block_k=block_k,
-                                  interpret=interpret, num_warps=num_warps, num_stages=num_stages)
+    return _attention_backend(qi, qs, ki, ks, v32, kv_lengths, pv=pv, block_q=block_q, block_k=block_k,
+                              interpret=interpret, num_warps=num_warps, num_stages=num_stages, backend=backend)
