@@ -240,6 +240,15 @@ def _mosaic_transforms(itemsize: int, minor: int):
     return plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle)
 
 
+def compute_registers(compute_wgs: int, memory_registers: int = 40) -> int:
+    """The registers a thread of each compute warpgroup can take with `setmaxnreg` when the memory warpgroup keeps
+    `memory_registers`: the SM has 65536, and the count must be a multiple of 8. Asking for more does not fail; the
+    warpgroup waits forever for registers that never free up (with 240 for two warpgroups the kernel hung on the
+    H200: 2 x 128 x 240 + 128 x 40 = 66560)."""
+    per_thread = (65536 - 128 * memory_registers) // (128 * compute_wgs)
+    return min(per_thread - per_thread % 8, 256)
+
+
 def _int8_attention_mosaic(qi, qs, ki, ks, v32, kv_lengths, *, pv, block_k, num_stages, p_in_smem=None,
                            interpret=False, lower_only=False):
     """The Mosaic GPU kernel on quantized Q (per 64 rows) and K (per `block_k` keys), (batch, seq, heads, dim) int8
@@ -318,9 +327,7 @@ def _int8_attention_mosaic(qi, qs, ki, ks, v32, kv_lengths, *, pv, block_k, num_
 
         @pl.when(wg < 2)
         def _compute():
-            # 2 x 128 threads x 232 + 128 x 40 = 64512 of the SM's 65536 registers. With 240 (66560 > 65536),
-            # setmaxnreg.inc waits forever for registers that never free up: the kernel hung on the H200.
-            plgpu.set_max_registers(232, action="increase")
+            plgpu.set_max_registers(compute_registers(2), action="increase")
             row0 = q_block * (2 * rows) + wg * rows
             plgpu.copy_gmem_to_smem(q_gmem.at[batch, pl.ds(row0, rows), head], q_smem.at[wg], q_full.at[wg])
             q_scale = qs_gmem[batch, head, q_block * 2 + wg] * log2e  # logits in base 2: exp2 below

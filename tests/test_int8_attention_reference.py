@@ -247,3 +247,12 @@ def test_round_half_even_without_a_round_primitive():
 
     x = jnp.concatenate([jnp.arange(-130.0, 130.0, 0.5), jax.random.normal(jax.random.key(0), (4096,)) * 60])
     np.testing.assert_array_equal(np.asarray(jax.jit(_round_half_even)(x)), np.asarray(jnp.round(x)))
+
+
+def test_compute_warpgroup_registers_fit_the_sm():
+    """What the Mosaic kernel asks `setmaxnreg` for must fit in 65536 registers with the memory warpgroup's 40."""
+    from mxdit.pallas_kernels.attention import compute_registers
+
+    assert compute_registers(2) == 232  # jax's own FA3 kernel uses the same
+    for wgs in (1, 2, 3):
+        assert compute_registers(wgs) % 8 == 0 and wgs * 128 * compute_registers(wgs) + 128 * 40 <= 65536
