@@ -26,7 +26,7 @@ from .layers import (Linear, apply_rotary, attention, attention_implementation, 
                      rotary_tables, shard_activation)
 from .loading import CheckpointError, config_from_dict, load_state, open_checkpoint, read_json
 
-AttentionImpl = Literal["xla", "cudnn", "int8"]
+AttentionImpl = Literal["xla", "cudnn", "int8", "int8_mosaic"]
 # An attention function (q, k, v, kv_lengths) -> out in place of a kernel name, e.g. sharding/'s sequence-parallel
 # attention: q (batch, seq, heads, head_dim), k and v (batch, seq, kv_heads, head_dim), out shaped as q.
 AttentionFn = Callable[[jax.Array, jax.Array, jax.Array, jax.Array | None], jax.Array]
@@ -124,10 +124,10 @@ class Attention(nnx.Module):
         v = self.to_v(x).reshape(batch, seq, self.num_kv_heads, self.head_dim)
         # GQA without repeating K/V: query head n reads KV head n // (num_heads // num_kv_heads), which is what
         # diffusers' repeat_interleave of the KV heads computes.
-        if implementation == "int8" and rotary is not None:
+        if implementation in ("int8", "int8_mosaic") and rotary is not None:
             # The kernel's prologue normalises, rotates and quantizes Q and K in one pass.
             out = int8_attention_from_projections(q, k, v, self.norm_q.weight[...], self.norm_k.weight[...],
-                                                  self.norm_q.eps, rotary, kv_lengths)
+                                                  self.norm_q.eps, rotary, kv_lengths, implementation)
         else:
             q, k = self.norm_q(q), self.norm_k(k)
             if rotary is not None:
@@ -265,8 +265,8 @@ class Krea2Transformer(nnx.Module):
     encoder_attention_mask=None)`. Parameters are in `dtype` except the RMSNorm weights (float32); activations are
     computed in `dtype`, normalisation and rotary embedding in float32.
 
-    `attention` picks the attention kernel: "xla" (any device and dtype), "cudnn" (GPU, bfloat16/float16) or "int8"
-    (pallas_kernels' INT8-QK kernel); None chooses cuDNN on a GPU for 16-bit dtypes and XLA otherwise. `joint_attention` (default None: `attention`) is an
+    `attention` picks the attention kernel: "xla" (any device and dtype), "cudnn" (GPU, bfloat16/float16), "int8"
+    (pallas_kernels' INT8-QK kernel, Triton lowering) or "int8_mosaic" (its Hopper kernel); None chooses cuDNN on a GPU for 16-bit dtypes and XLA otherwise. `joint_attention` (default None: `attention`) is an
     `AttentionFn` that replaces the kernel in the joint blocks, where the long sequence is: sharding/ sets it to a
     sequence-parallel attention. The text-fusion blocks keep `attention`.
     """

@@ -9,12 +9,15 @@ from flax import nnx
 from flax.core.spmd import get_logical_axis_rules
 
 
-ATTENTION_KERNELS = ("xla", "cudnn", "int8")
+ATTENTION_KERNELS = ("xla", "cudnn", "int8", "int8_mosaic")
+# The INT8-QK kernels of pallas_kernels/attention.py by lowering: Triton (portable) or Mosaic GPU (Hopper).
+_INT8_BACKENDS = {"int8": "triton", "int8_mosaic": "mosaic"}
 
 
 def attention_implementation(requested: str | None, dtype) -> str:
     """The attention kernel a model uses: "cudnn" on a GPU for 16-bit dtypes unless asked otherwise, else "xla";
-    "int8" is the INT8-QK kernel of pallas_kernels/attention.py (chosen only when asked: cuDNN is faster so far)."""
+    "int8" is the INT8-QK kernel of pallas_kernels/attention.py through the Triton lowering, "int8_mosaic" the
+    Hopper one (head_dim a multiple of 64); both only when asked: cuDNN is faster so far (NOTES.md)."""
     if requested is None:
         on_gpu = jax.default_backend() == "gpu"
         requested = "cudnn" if on_gpu and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16) else "xla"
@@ -29,24 +32,31 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, kv_lengths: jax.Array | 
     `ATTENTION_KERNELS` or a function (q, k, v, kv_lengths) -> out (sharding/'s sequence-parallel attention)."""
     if callable(implementation):
         return implementation(q, k, v, kv_lengths)
-    if implementation == "int8":
+    if implementation in _INT8_BACKENDS:
         from mxdit.pallas_kernels.attention import int8_attention  # kernels by name: model/'s one way to them
 
         # Off the GPU the Pallas kernel runs in interpret mode (tests); it returns float32.
-        out = int8_attention(q, k, v, kv_lengths=kv_lengths, interpret=jax.default_backend() != "gpu")
+        out = int8_attention(q, k, v, kv_lengths=kv_lengths, interpret=jax.default_backend() != "gpu",
+                             **_int8_options(implementation))
         return out.astype(q.dtype)
     return jax.nn.dot_product_attention(q, k, v, key_value_seq_lengths=kv_lengths, implementation=implementation)
 
 
+def _int8_options(implementation: str) -> dict:
+    backend = _INT8_BACKENDS[implementation]
+    return {"backend": backend, "block_q": 64, "block_k": 128 if backend == "mosaic" else 64}
+
+
 def int8_attention_from_projections(q, k, v, norm_q: jax.Array, norm_k: jax.Array, eps: float,
-                                    rotary: tuple[jax.Array, jax.Array], kv_lengths: jax.Array | None) -> jax.Array:
-    """The "int8" kernel with its fused prologue: q and k straight from their projections; the per-head RMSNorm
-    (weights `norm_q`, `norm_k`, zero-centred scale), the rotary embedding and the INT8 quantization run in one pass
-    (pallas_kernels/attention.py). Shapes as `attention`; returns q's dtype."""
+                                    rotary: tuple[jax.Array, jax.Array], kv_lengths: jax.Array | None,
+                                    implementation: str = "int8") -> jax.Array:
+    """An INT8 kernel ("int8" or "int8_mosaic") with its fused prologue: q and k straight from their projections;
+    the per-head RMSNorm (weights `norm_q`, `norm_k`, zero-centred scale), the rotary embedding and the INT8
+    quantization run in one pass (pallas_kernels/attention.py). Shapes as `attention`; returns q's dtype."""
     from mxdit.pallas_kernels.attention import int8_attention_fused
 
     out = int8_attention_fused(q, k, v, norm_q, norm_k, eps, *rotary, kv_lengths=kv_lengths,
-                               interpret=jax.default_backend() != "gpu")
+                               interpret=jax.default_backend() != "gpu", **_int8_options(implementation))
     return out.astype(q.dtype)
 
 

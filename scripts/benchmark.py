@@ -1019,7 +1019,7 @@ def main(argv=None) -> None:
         p.add_argument("--repeats", type=int, default=3)
         p.add_argument("--torch-compile", action="store_true", help="also time diffusers under torch.compile")
         p.add_argument("--no-diffusers", dest="diffusers", action="store_false")
-        p.add_argument("--jax-attention", nargs="+", default=["cudnn"], choices=["cudnn", "xla"])
+        p.add_argument("--jax-attention", nargs="+", default=["cudnn"], choices=["cudnn", "xla", "int8", "int8_mosaic"])
         p.add_argument("--unmasked-too", action="store_true", help="also time the step without a text mask")
         p.add_argument("--modes", nargs="+", default=["one jitted loop", "a dispatch per step"],
                        choices=["one jitted loop", "a dispatch per step"])

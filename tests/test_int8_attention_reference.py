@@ -169,27 +169,30 @@ def test_mosaic_backend_names_its_limits():
         int8_attention(q, k, v, backend="cuda")
 
 
-def test_krea2_transformer_runs_on_the_int8_attention_kernel():
-    """The model switch: `attention="int8"` takes the Pallas kernel (interpret mode on the CPU) in every block, and
-    the velocity stays within the INT8-QK error of exact attention."""
+@pytest.mark.parametrize("kernel, head_dim", [("int8", 32), ("int8_mosaic", 64)])
+def test_krea2_transformer_runs_on_the_int8_attention_kernel(kernel, head_dim):
+    """The model switch: `attention="int8"` (or "int8_mosaic") takes the Pallas kernel (interpret mode on the CPU) in
+    every block, and the velocity stays within the INT8-QK error of exact attention."""
     from flax import nnx
 
     from mxdit.model.krea2 import Krea2Config, Krea2Transformer
 
-    cfg = Krea2Config(in_channels=16, num_layers=2, attention_head_dim=32, num_attention_heads=4, num_key_value_heads=2,
-                      intermediate_size=64, timestep_embed_dim=32, text_hidden_dim=32, num_text_layers=2,
-                      text_num_attention_heads=2, text_num_key_value_heads=2, text_intermediate_size=64,
-                      axes_dims_rope=(8, 12, 12))
+    rope = {32: (8, 12, 12), 64: (16, 24, 24)}[head_dim]  # the Mosaic kernel takes head_dim a multiple of 64
+    text_dim = 2 * head_dim  # two text heads of head_dim
+    cfg = Krea2Config(in_channels=16, num_layers=2, attention_head_dim=head_dim, num_attention_heads=4,
+                      num_key_value_heads=2, intermediate_size=64, timestep_embed_dim=32, text_hidden_dim=text_dim,
+                      num_text_layers=2, text_num_attention_heads=2, text_num_key_value_heads=2,
+                      text_intermediate_size=64, axes_dims_rope=rope)
     model = Krea2Transformer(cfg, dtype=jnp.float32, attention="xla", rngs=nnx.Rngs(0))
     rng = np.random.default_rng(0)
     hidden = jnp.asarray(rng.standard_normal((1, 24, 16)), jnp.float32)
-    text = jnp.asarray(rng.standard_normal((1, 10, 2, 32)), jnp.float32)
+    text = jnp.asarray(rng.standard_normal((1, 10, 2, text_dim)), jnp.float32)
     ids = np.zeros((34, 3), np.float32)
     ids[10:, 1], ids[10:, 2] = np.arange(24) // 6, np.arange(24) % 6
     mask = jnp.asarray(np.arange(10)[None] < 7)
     args = (hidden, text, jnp.array([0.6], jnp.float32), jnp.asarray(ids), mask)
     reference = model(*args)
-    model.attention = "int8"
+    model.attention = kernel
     quantized = model(*args)
     assert cosine(quantized, reference) > 0.999
     assert relative_l1(quantized, reference) < BOUNDS["bf16"]
