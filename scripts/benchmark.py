@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import faulthandler
 import json
 import os
 import statistics
@@ -797,6 +798,9 @@ def jax_attention(args) -> list[dict]:
                     continue
                 truth = exact_normed if "RMSNorm" in name else exact
                 row = {"name": name}
+                # A kernel that hangs on the device prints nothing; this names it and ends the process.
+                print(f"running: {name}", file=sys.stderr, flush=True)
+                faulthandler.dump_traceback_later(args.variant_timeout, exit=True)
                 try:
                     f = jax.jit(fn)
                     out = jax.block_until_ready(f(q, k, v)).astype(jnp.float32)
@@ -808,6 +812,7 @@ def jax_attention(args) -> list[dict]:
                                rel_l1=float(jnp.sum(jnp.abs(diff)) / jnp.sum(jnp.abs(truth))))
                 except Exception as e:
                     row["error"] = f"{type(e).__name__}: {' '.join(str(e).split())[:400]}"
+                faulthandler.cancel_dump_traceback_later()
                 print(json.dumps(row), flush=True)
                 rows.append(row)
     return rows
@@ -1068,6 +1073,8 @@ def main(argv=None) -> None:
                    help="block_k,stages of the Mosaic GPU INT8 attention (its K/V ring; the first also runs fused)")
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--only", nargs="+", default=None, metavar="TEXT", help="only the variants whose names contain one")
+    p.add_argument("--variant-timeout", type=float, default=180.0,
+                   help="seconds a variant may take (compile + timing) before the process is ended as hung")
     p = sub.add_parser("krea2-sharded-step")
     p.add_argument("--meshes", nargs="+", default=["", "seq=2", "seq=4", "seq=8"],
                    help='mesh texts as for generate.py --mesh ("" is one device)')
