@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from .layers import Linear, apply_rotary, attention, attention_implementation, rotary_tables
+from .layers import Linear, apply_rotary, attention, attention_implementation, remat_call, rotary_tables
 from .loading import (CheckpointError, DerivedCheckpoint, config_from_dict, load_state, open_checkpoint, read_json)
 
 AttentionImpl = str  # "xla" or "cudnn"
@@ -248,6 +248,9 @@ class FluxTransformer(nnx.Module):
                                                    for _ in range(config.num_single_layers)])
         self.norm_out = FinalNorm(dim, dtype=dtype, rngs=rngs)
         self.proj_out = Linear(dim, out, bias=True, dtype=dtype, rngs=rngs)
+        # Training: a `jax.checkpoint_policies` policy makes each block a `jax.checkpoint` (remat) unit (see
+        # layers.remat_call). None: no rematerialization; inference is unaffected either way.
+        self.remat_policy = None
 
     def __call__(self, hidden_states, encoder_hidden_states, pooled_projections, timestep, img_ids, txt_ids,
                  guidance=None) -> jax.Array:
@@ -270,11 +273,11 @@ class FluxTransformer(nnx.Module):
         context = self.context_embedder(jnp.asarray(encoder_hidden_states, self.dtype))
         rotary = rotary_tables(jnp.concatenate([txt_ids, img_ids], axis=0), self.config.axes_dims_rope, 10000.0)
         for block in self.transformer_blocks:
-            x, context = block(x, context, temb, rotary, self.attention)
+            x, context = remat_call(block, self.remat_policy, x, context, temb, rotary, implementation=self.attention)
         text = context.shape[1]
         x = jnp.concatenate([context, x], axis=1)
         for block in self.single_transformer_blocks:
-            x = block(x, temb, rotary, self.attention)
+            x = remat_call(block, self.remat_policy, x, temb, rotary, implementation=self.attention)
         return self.proj_out(self.norm_out(x[:, text:], temb))
 
     @classmethod

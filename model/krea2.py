@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from .layers import (Linear, apply_rotary, attention, attention_implementation, int8_attention_from_projections,
-                     rotary_tables, shard_activation)
+                     remat_call, rotary_tables, shard_activation)
 from .loading import CheckpointError, config_from_dict, load_state, open_checkpoint, read_json
 
 AttentionImpl = Literal["xla", "cudnn", "int8", "int8_mosaic"]
@@ -361,10 +361,8 @@ class Krea2Transformer(nnx.Module):
         rotary = rotary_tables(positions, self.config.axes_dims_rope, self.config.rope_theta)
         joint_attention = self.attention if self.joint_attention is None else self.joint_attention
         for block in self.transformer_blocks:
-            if self.remat_policy is None:
-                x = block(x, temb_mod, rotary, joint_kv_lengths, joint_attention)
-            else:
-                x = _remat_block(block, self.remat_policy, x, temb_mod, rotary, joint_kv_lengths, joint_attention)
+            x = remat_call(block, self.remat_policy, x, temb_mod, rotary, joint_kv_lengths,
+                           implementation=joint_attention)
             x = shard_activation(x, "batch", "sequence", None)
         # The final layer acts per token: applied before the slice, it keeps a split sequence split up to the small
         # (batch, seq, in_channels) output.
@@ -410,18 +408,6 @@ class Krea2Transformer(nnx.Module):
             convert=_unflatten_modulation,
             source=str(path),
         )
-
-
-def _remat_block(block: TransformerBlock, policy, x, temb_mod, rotary, kv_lengths,
-                 implementation: AttentionImpl | AttentionFn):
-    """`block(...)` as one `jax.checkpoint` unit. The block's state goes in as an argument and the block is rebuilt
-    inside, so the checkpointed function is pure (nothing it traces mutates the caller's variables)."""
-    graphdef, state = nnx.split(block)
-
-    def run(state, x, temb_mod, rotary, kv_lengths):
-        return nnx.merge(graphdef, state)(x, temb_mod, rotary, kv_lengths, implementation)
-
-    return jax.checkpoint(run, policy=policy)(state, x, temb_mod, rotary, kv_lengths)
 
 
 # --------------------------------------------------------------------------------------------------------------------

@@ -60,6 +60,21 @@ def int8_attention_from_projections(q, k, v, norm_q: jax.Array, norm_k: jax.Arra
     return out.astype(q.dtype)
 
 
+def remat_call(block: nnx.Module, policy, *args, implementation):
+    """`block(*args, implementation)`, as one `jax.checkpoint` unit when `policy` (a `jax.checkpoint_policies`
+    policy) is given: its backward pass recomputes what the policy does not save (training). The block's state goes
+    in as an argument and the block is rebuilt inside, so the checkpointed function is pure; `implementation` (an
+    attention kernel name or function) stays outside the traced arguments."""
+    if policy is None:
+        return block(*args, implementation)
+    graphdef, state = nnx.split(block)
+
+    def run(state, *args):
+        return nnx.merge(graphdef, state)(*args, implementation)
+
+    return jax.checkpoint(run, policy=policy)(state, *args)
+
+
 def shard_activation(x: jax.Array, *axes: str | None) -> jax.Array:
     """A named sharding constraint: `axes` names each dimension of x logically ("batch", "sequence") or None.
 
