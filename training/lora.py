@@ -41,26 +41,41 @@ KREA2_AUTHORS = (
     r"(.*\.)?(to_q|to_k|to_v|to_out\.0|to_gate|ff\.up|ff\.down)",
     r"img_in|final_layer\.linear|text_fusion\.projector|txt_in\.linear_[12]|time_embed\.linear_[12]|time_mod_proj",
 )
-TARGET_PRESETS = {"attention+mlp": KREA2_ATTENTION_AND_MLP, "attention": KREA2_ATTENTION, "authors": KREA2_AUTHORS}
+# FLUX.1: every attention projection (both streams of the double blocks) and the feed-forwards: the default of
+# diffusers' train_dreambooth_lora_flux.py (PEFT suffixes, so the single blocks' q/k/v too), plus the single
+# blocks' proj_mlp and proj_out, their MLP.
+FLUX_ATTENTION_AND_MLP = (
+    r"transformer_blocks\.\d+\.(attn\.(to_q|to_k|to_v|to_out\.0|add_q_proj|add_k_proj|add_v_proj|to_add_out)"
+    r"|ff\.net\.(0\.proj|2)|ff_context\.net\.(0\.proj|2))",
+    r"single_transformer_blocks\.\d+\.(attn\.(to_q|to_k|to_v)|proj_mlp|proj_out)",
+)
+FLUX_ATTENTION = (
+    r"transformer_blocks\.\d+\.attn\.(to_q|to_k|to_v|to_out\.0|add_q_proj|add_k_proj|add_v_proj|to_add_out)",
+    r"single_transformer_blocks\.\d+\.attn\.(to_q|to_k|to_v)",
+)
+# Target presets by model family (`model_family`); "attention+mlp" is each family's default.
+TARGET_PRESETS = {
+    "krea2": {"attention+mlp": KREA2_ATTENTION_AND_MLP, "attention": KREA2_ATTENTION, "authors": KREA2_AUTHORS},
+    "flux": {"attention+mlp": FLUX_ATTENTION_AND_MLP, "attention": FLUX_ATTENTION},
+}
 
 
 @dataclasses.dataclass(frozen=True)
 class LoraConfig:
     """rank and alpha (scale = alpha / rank), dropout on the adapter's input while training, and the layers adapted:
-    regular expressions matched in full against each Linear's module path (`transformer_blocks.3.attn.to_q`)."""
+    regular expressions matched in full against each Linear's module path (`transformer_blocks.3.attn.to_q`); empty
+    (the default): the model family's attention and MLP projections (`target_preset(model, "attention+mlp")`)."""
 
     rank: int = 32
     alpha: float = 32.0
     dropout: float = 0.0
-    targets: tuple[str, ...] = KREA2_ATTENTION_AND_MLP
+    targets: tuple[str, ...] = ()
 
     def __post_init__(self):
         if self.rank < 1:
             raise ValueError(f"LoRA rank must be >= 1, got {self.rank}")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"LoRA dropout must be in [0, 1), got {self.dropout}")
-        if not self.targets:
-            raise ValueError("LoRA targets: give at least one module-path pattern")
         for pattern in self.targets:
             try:
                 re.compile(pattern)
@@ -133,6 +148,26 @@ def adapters(model: nnx.Module) -> Iterator[tuple[str, LoRA]]:
             yield name, layer.lora
 
 
+def model_family(model: nnx.Module) -> str:
+    """"krea2" or "flux": which target presets apply."""
+    from mxdit.model.flux import FluxTransformer
+    from mxdit.model.krea2 import Krea2Transformer
+
+    if isinstance(model, Krea2Transformer):
+        return "krea2"
+    if isinstance(model, FluxTransformer):
+        return "flux"
+    raise ValueError(f"LoRA target presets: no presets for {type(model).__name__}; give the patterns")
+
+
+def target_preset(model: nnx.Module, name: str) -> tuple[str, ...]:
+    """The patterns of preset `name` for `model`'s family; an error names the presets there are."""
+    presets = TARGET_PRESETS[model_family(model)]
+    if name not in presets:
+        raise ValueError(f"LoRA targets: no preset {name!r} for {model_family(model)}; presets: {', '.join(presets)}")
+    return presets[name]
+
+
 def matching_layers(model: nnx.Module, targets: Sequence[str]) -> list[str]:
     """Module paths of the Linears whose path matches one of the `targets` patterns in full."""
     compiled = [re.compile(p) for p in targets]
@@ -142,9 +177,10 @@ def matching_layers(model: nnx.Module, targets: Sequence[str]) -> list[str]:
 def add_lora(model: nnx.Module, config: LoraConfig, seed: int = 0) -> list[str]:
     """Attach a fresh adapter (B = 0: the model's function is unchanged) to every Linear that `config.targets`
     selects; returns their module paths. The base weights are not touched."""
-    names = set(matching_layers(model, config.targets))
+    targets = config.targets or target_preset(model, "attention+mlp")
+    names = set(matching_layers(model, targets))
     if not names:
-        raise ValueError(f"LoRA targets {list(config.targets)} match no Linear layer of {type(model).__name__}")
+        raise ValueError(f"LoRA targets {list(targets)} match no Linear layer of {type(model).__name__}")
     key = jax.random.key(seed)
     added = []
     for i, (name, layer) in enumerate(linear_layers(model)):
