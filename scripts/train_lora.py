@@ -1,6 +1,7 @@
-"""Train a LoRA on Krea 2 (train on Base, run on Turbo) from a folder of captioned images.
+"""Train a LoRA on Krea 2 (train on Base, run on Turbo) or FLUX.1 from a folder of captioned images.
 
     python scripts/train_lora.py --model /models/Krea-2-Base --data photos/ --output runs/style --steps 2000
+    python scripts/train_lora.py --model /models/FLUX.1-dev --data photos/ --output runs/flux-style --steps 2000
     python scripts/train_lora.py --model /models/Krea-2-Base --data photos/ --output runs/style --resume
     python scripts/train_lora.py --demo --data photos/ --output /tmp/run --resolution 64 --steps 20   # CPU, RANDOM model
 
@@ -25,16 +26,19 @@ def parse_args(argv=None) -> argparse.Namespace:
     from mxdit.training.lora import TARGET_PRESETS
     from mxdit.training.train import REMAT_POLICIES, TIMESTEP_SAMPLING
 
-    p = OneLineErrorParser(prog="train_lora.py", description="Train a LoRA on Krea 2 from a folder of captioned images.")
+    p = OneLineErrorParser(prog="train_lora.py",
+                           description="Train a LoRA on Krea 2 or FLUX.1 from a folder of captioned images.")
     source = p.add_mutually_exclusive_group(required=True)
-    source.add_argument("--model", type=Path, help="a diffusers-layout Krea 2 folder (Base, the non-distilled one)")
+    source.add_argument("--model", type=Path,
+                        help="a diffusers-layout Krea 2 folder (Base, the non-distilled one) or FLUX.1 folder")
     source.add_argument("--demo", action="store_true", help="the built-in tiny model with RANDOM weights (CPU tests)")
     p.add_argument("--data", type=Path, required=True, help="folder of images with captions")
     p.add_argument("--output", type=Path, required=True, help="run folder: checkpoints, log, validation, LoRA")
     p.add_argument("--resume", action="store_true", help="continue the run in --output from its latest checkpoint")
     p.add_argument("--cache-dir", type=Path, default=None, help="latent/text cache (default: OUTPUT/cache)")
     p.add_argument("--validation-model", type=Path, default=None,
-                   help="validate on this Krea 2 folder (e.g. Turbo) with the adapters copied onto it")
+                   help="validate on this folder of the same family (e.g. Krea 2 Turbo) with the adapters copied "
+                        "onto it")
     p.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="base weights and compute (default bf16; demo fp32)")
     p.add_argument("--quantize-base", default=None, metavar="FORMAT",
                    help="keep the frozen block matrices in this quant/ format (e.g. mxfp8_e4m3), dequantized per call")
@@ -43,7 +47,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     lora.add_argument("--alpha", type=float, default=None, help="default: the rank (scale 1)")
     lora.add_argument("--dropout", type=float, default=0.0)
     lora.add_argument("--targets", default="attention+mlp",
-                      help=f"a preset ({', '.join(TARGET_PRESETS)}) or comma-separated regular expressions matched "
+                      help="a preset (Krea 2: " + ", ".join(TARGET_PRESETS["krea2"]) + "; FLUX.1: "
+                           + ", ".join(TARGET_PRESETS["flux"]) + ") or comma-separated regular expressions matched "
                            "in full against module paths such as transformer_blocks.3.attn.to_q")
     t = p.add_argument_group("training")
     t.add_argument("--steps", type=int, default=1000)
@@ -58,6 +63,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     t.add_argument("--logit-mean", type=float, default=0.0)
     t.add_argument("--logit-std", type=float, default=1.0)
     t.add_argument("--shift-mu", type=float, default=None, help="'shifted': fixed mu (default: from the image size)")
+    t.add_argument("--guidance-scale", type=float, default=3.5, help="FLUX.1-dev: the embedded guidance in training")
     t.add_argument("--resolution", type=int, default=None, help="bucket side in pixels (default 1024; demo 64)")
     t.add_argument("--bucket-multiple", type=int, default=None, help="bucket sides round to this (default 64; demo 16)")
     t.add_argument("--aspects", default=None,
@@ -93,7 +99,11 @@ def parse_args(argv=None) -> argparse.Namespace:
             p.error(f"--aspects {args.aspects}: expected comma-separated numbers such as 0.75,1,1.333")
         if not args.aspects or min(args.aspects) <= 0:
             p.error(f"--aspects {args.aspects}: ratios must be positive")
-    args.targets = TARGET_PRESETS.get(args.targets) or tuple(t.strip() for t in args.targets.split(",") if t.strip())
+    presets = {name for family in TARGET_PRESETS.values() for name in family}
+    if args.targets not in presets:  # else resolved for the model's family once it is loaded
+        args.targets = tuple(t.strip() for t in args.targets.split(",") if t.strip())
+        if not args.targets:
+            p.error("--targets: give a preset or at least one pattern")
     return args
 
 
@@ -103,18 +113,17 @@ def main(argv=None) -> int:
 
     from mxdit.model.loading import CheckpointError
     from mxdit.training.data import DataError
-    from mxdit.training.lora import LoraConfig, quantize_base
+    from mxdit.training.lora import LoraConfig, quantize_base, target_preset
     from mxdit.training.train import TrainConfig, TrainError, train
 
     try:
         mesh = mesh_from_arguments(args)
-        lora_config = LoraConfig(rank=args.rank, alpha=args.alpha if args.alpha is not None else float(args.rank),
-                                 dropout=args.dropout, targets=args.targets)
         config = TrainConfig(
             steps=args.steps, batch_size=args.batch_size, grad_accum=args.grad_accum, learning_rate=args.lr,
             warmup_steps=args.warmup_steps, final_lr_ratio=args.final_lr_ratio, weight_decay=args.weight_decay,
             max_grad_norm=args.max_grad_norm, timestep_sampling=args.timestep_sampling, logit_mean=args.logit_mean,
-            logit_std=args.logit_std, shift_mu=args.shift_mu, resolution=args.resolution,
+            logit_std=args.logit_std, shift_mu=args.shift_mu, guidance_scale=args.guidance_scale,
+            resolution=args.resolution,
             bucket_multiple=args.bucket_multiple, **({"aspects": args.aspects} if args.aspects else {}),
             max_sequence_length=args.max_sequence_length, remat=args.remat,
             seed=args.seed, save_every=args.save_every, keep_checkpoints=args.keep,
@@ -129,19 +138,26 @@ def main(argv=None) -> int:
             print("mxdit demo: tiny Krea 2-shaped model with RANDOM weights -- training machinery, not a real LoRA.")
             tag = "demo"
         else:
-            from mxdit.model.pipeline_krea2 import Krea2Pipeline
+            from mxdit.model.pipelines import load_pipeline
 
-            pipe = Krea2Pipeline.from_pretrained(args.model, dtype)
+            pipe = load_pipeline(args.model, dtype)
             tag = str(args.model.resolve())
+        targets = target_preset(pipe.transformer, args.targets) if isinstance(args.targets, str) else args.targets
+        lora_config = LoraConfig(rank=args.rank, alpha=args.alpha if args.alpha is not None else float(args.rank),
+                                 dropout=args.dropout, targets=targets)
         validation_pipe = None
         if args.validation_model is not None:
-            from mxdit.model.pipeline_krea2 import Krea2Pipeline
+            from mxdit.model.pipelines import load_pipeline
 
-            validation_pipe = Krea2Pipeline.from_pretrained(args.validation_model, dtype)
+            validation_pipe = load_pipeline(args.validation_model, dtype)
+            if type(validation_pipe) is not type(pipe):
+                raise TrainError(f"--validation-model {args.validation_model}: a {type(validation_pipe).__name__}, "
+                                 f"but the model trained is a {type(pipe).__name__}")
         if args.quantize_base:
-            from mxdit.quant.model import krea2_rules
+            from mxdit.quant.model import flux_rules, krea2_rules
 
-            quantize_base(pipe.transformer, krea2_rules(args.quantize_base))
+            rules = flux_rules if type(pipe).__name__ == "FluxPipeline" else krea2_rules
+            quantize_base(pipe.transformer, rules(args.quantize_base))
         result = train(pipe, args.data, args.output, config, lora_config, resume=args.resume, model_tag=tag,
                        cache_dir=args.cache_dir, validation_pipe=validation_pipe, progress=not args.no_progress,
                        mesh=mesh)

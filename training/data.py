@@ -148,6 +148,7 @@ class CachedExample:
     path: Path
     bucket: tuple[int, int]
     text_tokens: int
+    pooled: bool = False  # FLUX.1: a CLIP pooled vector is stored too
 
 
 def cache_key(example: Example, bucket: tuple[int, int], tag: str) -> str:
@@ -162,10 +163,14 @@ def build_cache(pipe, examples: Sequence[Example], buckets: Sequence[tuple[int, 
     """Encode each example once (VAE latents, normalised; the text encoder's tapped states of its real tokens) into
     `cache_dir`; examples already there are only read. Each file is written to a temporary name, then renamed.
 
-    Only the real text tokens are stored: Krea 2 attends to them alone (padded tokens are moved last and are no key),
-    and its text positions are all zero, so padding them back with zeros at batch time gives the same output up to
-    float rounding (a 13-token caption padded to 16 instead of 32 tokens: 1e-6 max abs difference, demo model, fp32).
+    Krea 2: only the real text tokens are stored: Krea 2 attends to them alone (padded tokens are moved last and are
+    no key), and its text positions are all zero, so padding them back with zeros at batch time gives the same output
+    up to float rounding (a 13-token caption padded to 16 instead of 32 tokens: 1e-6 max abs difference, demo model,
+    fp32). FLUX.1 (a pipeline whose `encode_prompt` returns T5 states and a CLIP pooled vector): all
+    `max_sequence_length` T5 states, padding included (FLUX.1 attends to it), and the pooled vector.
     """
+    from mxdit.model.pipeline_flux import FluxPipeline
+
     import jax.numpy as jnp
 
     from mxdit.model.images import uint8_to_unit_range
@@ -178,37 +183,45 @@ def build_cache(pipe, examples: Sequence[Example], buckets: Sequence[tuple[int, 
         if not path.is_file():
             pixels = uint8_to_unit_range(load_image(example.image, bucket))[None]
             latents = pipe.vae.normalize_latents(pipe.vae.encode(jnp.asarray(pixels, pipe.vae.dtype)))
-            embeds, mask = pipe.encode_prompt([example.caption], max_sequence_length)
-            mask = np.asarray(mask[0])
+            if isinstance(pipe, FluxPipeline):
+                embeds, pooled = pipe.encode_prompt([example.caption], max_sequence_length=max_sequence_length)
+                text = {"embeds": np.asarray(embeds[0], np.float32), "pooled": np.asarray(pooled[0], np.float32)}
+            else:
+                embeds, mask = pipe.encode_prompt([example.caption], max_sequence_length)
+                text = {"embeds": np.asarray(embeds[0], np.float32)[np.asarray(mask[0])]}
             tmp = path.with_name(f".{path.name}.tmp")
             try:
                 with open(tmp, "wb") as f:
-                    np.savez(f, latents=np.asarray(latents[0], np.float32),
-                             embeds=np.asarray(embeds[0], np.float32)[mask])
+                    np.savez(f, latents=np.asarray(latents[0], np.float32), **text)
                 tmp.replace(path)
             finally:
                 tmp.unlink(missing_ok=True)
         with np.load(path) as data:
-            tokens = int(data["embeds"].shape[0])
-        cached.append(CachedExample(path, bucket, tokens))
+            tokens, pooled = int(data["embeds"].shape[0]), "pooled" in data.files
+        cached.append(CachedExample(path, bucket, tokens, pooled))
         if progress is not None:
             progress.update(1)
     return cached
 
 
 def load_batch(examples: Sequence[CachedExample], text_len: int) -> dict[str, np.ndarray]:
-    """Stack cached examples of one bucket: latents (batch, h/8, w/8, 16), embeds (batch, text_len, layers, dim)
-    zero-padded after the real tokens, mask (batch, text_len) bool."""
-    latents, embeds, masks = [], [], []
+    """Stack cached examples of one bucket: latents (batch, h/8, w/8, 16), embeds (batch, text_len, ...)
+    zero-padded after the real tokens, mask (batch, text_len) bool; FLUX.1's pooled (batch, dim) too."""
+    latents, embeds, masks, pooled = [], [], [], []
     for example in examples:
         with np.load(example.path) as data:
             latents.append(data["latents"])
             real = data["embeds"][:text_len]
+            if "pooled" in data.files:
+                pooled.append(data["pooled"])
         padded = np.zeros((text_len, *real.shape[1:]), np.float32)
         padded[: len(real)] = real
         embeds.append(padded)
         masks.append(np.arange(text_len) < len(real))
-    return {"latents": np.stack(latents), "embeds": np.stack(embeds), "mask": np.stack(masks)}
+    batch = {"latents": np.stack(latents), "embeds": np.stack(embeds), "mask": np.stack(masks)}
+    if pooled:
+        batch["pooled"] = np.stack(pooled)
+    return batch
 
 
 # --------------------------------------------------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""LoRA fine-tuning of the Krea 2 transformer with flow matching.
+"""LoRA fine-tuning of the Krea 2 and FLUX.1 transformers with flow matching.
 
 The pieces, top to bottom: the config; timestep sampling; the loss; the training step (a pure jitted function of the
 frozen base, the LoRA parameters, the optimizer state, a batch and a key); checkpoints through orbax; the loop
@@ -6,7 +6,8 @@ frozen base, the LoRA parameters, the optimizer state, a batch and a key); check
 
 Flow matching as Krea 2 (and diffusers' Krea 2 trainer) defines it: `x_t = (1 - sigma) x_0 + sigma * noise`, the
 model is called at timestep sigma (in [0, 1]) and predicts the velocity `noise - x_0`; the loss is its mean squared
-error, per example, then averaged. Sigma is drawn logit-normal (`sigmoid(N(mean, std))`) or uniform then shifted
+error, per example, then averaged. FLUX.1 trains the same way (diffusers' train_dreambooth_lora_flux.py), with its
+CLIP pooled text vector and, for FLUX.1-dev, the distilled guidance scale `guidance_scale` as extra inputs. Sigma is drawn logit-normal (`sigmoid(N(mean, std))`) or uniform then shifted
 by the same exponential time shift as the sampling schedule (mu fixed, or from the image token count as Krea 2 Base).
 
 A step of `grad_accum` micro-batches of `batch_size`: the noise and sigmas of the whole step are drawn at once for
@@ -82,6 +83,7 @@ class TrainConfig:
     logit_mean: float = 0.0
     logit_std: float = 1.0
     shift_mu: float | None = None  # "shifted": None computes mu from the image token count, as Krea 2 Base samples
+    guidance_scale: float = 3.5  # FLUX.1-dev's embedded guidance while training (diffusers' default); else unused
     resolution: int = 1024
     bucket_multiple: int = 64
     aspects: tuple[float, ...] = data_lib.DEFAULT_ASPECTS
@@ -151,32 +153,44 @@ def sample_sigmas(key: jax.Array, n: int, image_seq_len: int, config: TrainConfi
 # The step
 
 
-def flow_matching_loss(model, latents, embeds, mask, position_ids, noise, sigmas) -> jax.Array:
+def flow_matching_loss(model, latents, embeds, mask, position_ids, noise, sigmas, pooled=None,
+                       guidance: float = 3.5) -> jax.Array:
     """Mean over examples of the mean squared error of the predicted velocity, float32.
 
-    latents, noise: (batch, S, C) packed clean latents and Gaussian noise; embeds (batch, L, layers, dim); mask
-    (batch, L) bool; position_ids (L + S, 3); sigmas (batch,)."""
+    latents, noise: (batch, S, C) packed clean latents and Gaussian noise; embeds (batch, L, layers, dim) for Krea 2,
+    (batch, L, dim) T5 states for FLUX.1; mask (batch, L) bool (FLUX.1 attends to every text token, as it was
+    trained); position_ids (L + S, 3), text first; sigmas (batch,). FLUX.1 only: pooled (batch, dim), the CLIP
+    pooled output, and `guidance`, the scale FLUX.1-dev embeds."""
+    from mxdit.model.flux import FluxTransformer
+
     s = sigmas[:, None, None]
     noisy = (1.0 - s) * latents + s * noise
-    velocity = model(noisy, embeds, sigmas, position_ids, mask).astype(jnp.float32)
+    if isinstance(model, FluxTransformer):
+        text_len = embeds.shape[1]
+        g = jnp.full(sigmas.shape, guidance, jnp.float32) if model.config.guidance_embeds else None
+        velocity = model(noisy, embeds, pooled, sigmas, position_ids[text_len:], position_ids[:text_len], g)
+    else:
+        velocity = model(noisy, embeds, sigmas, position_ids, mask)
+    velocity = velocity.astype(jnp.float32)
     return jnp.mean(jnp.mean(jnp.square(velocity - (noise - latents)), axis=(1, 2)))
 
 
-def _loss(lora: nnx.State, frozen: nnx.State, graphdef, latents, embeds, mask, position_ids, noise, sigmas,
-          dropout_key):
+def _loss(lora: nnx.State, frozen: nnx.State, graphdef, examples: dict, position_ids, noise, sigmas, dropout_key,
+          guidance: float):
     model = nnx.merge(graphdef, lora, frozen)
     if dropout_key is not None:  # on this traced copy only: the model the caller holds never drops out
         for i, (_, adapter) in enumerate(adapters(model)):
             adapter.dropout_key = nnx.data(jax.random.fold_in(dropout_key, i))
-    return flow_matching_loss(model, latents, embeds, mask, position_ids, noise, sigmas)
+    return flow_matching_loss(model, examples["latents"], examples["embeds"], examples["mask"], position_ids, noise,
+                              sigmas, examples.get("pooled"), guidance)
 
 
 def accumulated_gradients(graphdef, config: TrainConfig, frozen: nnx.State, lora: nnx.State,
                           batch: dict[str, jax.Array], key: jax.Array) -> tuple[jax.Array, nnx.State]:
     """(mean loss, mean gradient w.r.t. the LoRA parameters) of one optimizer step.
 
-    batch: latents (k, b, S, C) packed; embeds (k, b, L, layers, dim); mask (k, b, L); position_ids (L + S, 3) --
-    k micro-batches of b examples. Noise and sigmas are drawn for all k * b examples at once from `key`, so the
+    batch: latents (k, b, S, C) packed; embeds (k, b, L, ...); mask (k, b, L); FLUX.1 also pooled (k, b, dim);
+    position_ids (L + S, 3) -- k micro-batches of b examples. Noise and sigmas are drawn for all k * b examples at once from `key`, so the
     result does not depend on how they are split into micro-batches (dropout aside)."""
     k, b, seq, channels = batch["latents"].shape
     noise_key, sigma_key, dropout_key = jax.random.split(key, 3)
@@ -188,12 +202,13 @@ def accumulated_gradients(graphdef, config: TrainConfig, frozen: nnx.State, lora
 
     def micro_batch(carry, xs):
         loss_sum, grad_sum = carry
-        latents, embeds, mask, noise, sigmas, dkey = xs
-        loss, grads = grad_fn(lora, frozen, graphdef, latents, embeds, mask, batch["position_ids"], noise, sigmas,
-                              dkey if dropout else None)
+        examples, noise, sigmas, dkey = xs
+        loss, grads = grad_fn(lora, frozen, graphdef, examples, batch["position_ids"], noise, sigmas,
+                              dkey if dropout else None, config.guidance_scale)
         return (loss_sum + loss, jax.tree.map(jnp.add, grad_sum, grads)), None
 
-    xs = (batch["latents"], batch["embeds"], batch["mask"], noise, sigmas, dropout_keys)
+    examples = {name: batch[name] for name in PER_EXAMPLE if name in batch}
+    xs = (examples, noise, sigmas, dropout_keys)
     zeros = jax.tree.map(jnp.zeros_like, lora)
     (loss, grads), _ = jax.lax.scan(micro_batch, (jnp.zeros((), jnp.float32), zeros), xs)
     return loss / k, jax.tree.map(lambda g: g / k, grads)
@@ -213,6 +228,10 @@ jit_train_step = jax.jit(train_step, static_argnums=(0, 1), donate_argnums=(3, 4
 jit_accumulated_gradients = jax.jit(accumulated_gradients, static_argnums=(0, 1))
 
 
+# The batch's arrays with a (micro-batch, example) leading pair; position_ids is shared.
+PER_EXAMPLE = ("latents", "embeds", "mask", "pooled")
+
+
 def make_batch(cached: Sequence[data_lib.CachedExample], config: TrainConfig, text_len: int) -> dict[str, np.ndarray]:
     """The step's `batch_size * grad_accum` cached examples (one bucket) as the arrays `train_step` takes."""
     arrays = data_lib.load_batch(cached, text_len)
@@ -221,9 +240,12 @@ def make_batch(cached: Sequence[data_lib.CachedExample], config: TrainConfig, te
     k, b = config.grad_accum, config.batch_size
     grid_h, grid_w = arrays["latents"].shape[1] // 2, arrays["latents"].shape[2] // 2
     ids = np.concatenate([np.zeros((text_len, 3), np.float32), image_position_ids(grid_h, grid_w)])
-    return {"latents": latents.reshape(k, b, seq, channels),
-            "embeds": arrays["embeds"].reshape(k, b, *arrays["embeds"].shape[1:]),
-            "mask": arrays["mask"].reshape(k, b, text_len), "position_ids": ids}
+    batch = {"latents": latents.reshape(k, b, seq, channels),
+             "embeds": arrays["embeds"].reshape(k, b, *arrays["embeds"].shape[1:]),
+             "mask": arrays["mask"].reshape(k, b, text_len), "position_ids": ids}
+    if "pooled" in arrays:  # FLUX.1
+        batch["pooled"] = arrays["pooled"].reshape(k, b, -1)
+    return batch
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -237,6 +259,15 @@ def _manager(output_dir: Path, keep: int):
     # that resume would pick.
     options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True, enable_async_checkpointing=False)
     return ocp.CheckpointManager((output_dir / "checkpoints").absolute(), options=options)
+
+
+def _cache_tag(pipe, model_tag: str) -> str:
+    """What the cached latents and text states depend on besides the image and caption: the model and the dtypes of
+    the VAE and text encoder(s)."""
+    encoders = [getattr(pipe, name) for name in ("text_encoder", "text_encoder_2") if hasattr(pipe, name)]
+    dtypes = [",".join(sorted({jnp.dtype(x.dtype).name for x in jax.tree.leaves(nnx.state(m, nnx.Param))}))
+              for m in (pipe.vae, *encoders)]
+    return "|".join([model_tag, *dtypes])
 
 
 def _comparable(config: TrainConfig, lora_config: LoraConfig, model, model_tag: str) -> dict:
@@ -283,8 +314,9 @@ class TrainResult:
 def train(pipe, data_dir: str | Path, output_dir: str | Path, config: TrainConfig, lora_config: LoraConfig, *,
           resume: bool = False, model_tag: str = "", cache_dir: str | Path | None = None, validation_pipe=None,
           stop_at: int | None = None, progress: bool = True, mesh=None) -> TrainResult:
-    """Train a LoRA on `pipe.transformer` (a Krea2Pipeline; the transformer stays frozen) with the captioned images of
-    `data_dir`, writing checkpoints, the metric log, validation images and finally `lora.safetensors` to `output_dir`.
+    """Train a LoRA on `pipe.transformer` (a Krea2Pipeline or FluxPipeline; the transformer stays frozen) with the
+    captioned images of `data_dir`, writing checkpoints, the metric log, validation images and finally
+    `lora.safetensors` to `output_dir`.
 
     `resume`: continue the run in `output_dir` from its latest checkpoint (the configs must match, but for
     `RESUMABLE_CHANGES`). Without it, an `output_dir` that already holds a run is an error: nothing is overwritten.
@@ -351,8 +383,10 @@ def train(pipe, data_dir: str | Path, output_dir: str | Path, config: TrainConfi
     cache_dir = Path(cache_dir) if cache_dir is not None else output_dir / "cache"
     with tqdm(total=len(examples), desc="cache", unit="image", disable=not progress) as bar:
         cached = data_lib.build_cache(pipe, examples, buckets, cache_dir, max_sequence_length=config.max_sequence_length,
-                                      tag=f"{model_tag}|{pipe.vae.dtype.name}|{pipe.text_encoder.dtype.name}", progress=bar)
-    text_len = max(8, -(-max(c.text_tokens for c in cached) // 8) * 8)  # one text length for all steps: one program
+                                      tag=_cache_tag(pipe, model_tag), progress=bar)
+    # One text length for all steps: one program. Krea 2's real tokens are padded (masked) to a multiple of 8;
+    # FLUX.1 attends to its padding as trained, so its cached T5 states keep their full, equal length.
+    text_len = cached[0].text_tokens if cached[0].pooled else max(8, -(-max(c.text_tokens for c in cached) // 8) * 8)
     buckets_of = [c.bucket for c in cached]
     per_step = config.batch_size * config.grad_accum
 
