@@ -716,7 +716,7 @@ def gemm_benchmark(args) -> None:
     rows = _subprocess_rows(args, "gemm-torch", forwarded) if args.torch else []
     rows += _subprocess_rows(args, "gemm-jax", forwarded + ["--backends", *args.backends]
                              + (["--sweep"] if args.sweep else []))
-    print(f"\\n{'shape':<16} {'implementation':<84} {'TFLOP/s':>8} {'rel err':>8}")
+    print(f"\n{'shape':<16} {'implementation':<84} {'TFLOP/s':>8} {'rel err':>8}")
     for r in rows:
         if "error" in r:
             print(f"{r.get('shape', ''):<16} {r['name']:<84} error: {r['error']}")
@@ -816,6 +816,56 @@ def jax_attention(args) -> list[dict]:
                 print(json.dumps(row), flush=True)
                 rows.append(row)
     return rows
+
+
+def torch_attention(args) -> list[dict]:
+    """torch's SDPA (bf16, the cuDNN and flash backends) at the shapes of `jax_attention`, CUDA events. GQA through
+    `enable_gqa`; the mask as a boolean key mask (torch's cuDNN backend takes it, flash does not)."""
+    import torch
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    rows = []
+    s, h, d = args.seq, 48, 128
+    flops = 4.0 * s * s * d * h
+    for kv_heads in args.kv_heads:
+        q = torch.randn(1, h, s, d, device="cuda", dtype=torch.bfloat16)
+        k = torch.randn(1, kv_heads, s, d, device="cuda", dtype=torch.bfloat16)
+        v = torch.randn(1, kv_heads, s, d, device="cuda", dtype=torch.bfloat16)
+        for masked in (False, True):
+            mask = (torch.arange(s, device="cuda") < s - 512 + 120)[None, None, None, :] if masked else None
+            for backend, label in ((SDPBackend.CUDNN_ATTENTION, "cuDNN"), (SDPBackend.FLASH_ATTENTION, "flash")):
+                if masked and label == "flash":  # flash takes no mask
+                    continue
+                name = f"torch SDPA {label} bf16, GQA {h}/{kv_heads}" + (", masked" if masked else "")
+
+                def fn(backend=backend, mask=mask):
+                    with sdpa_kernel(backend):
+                        return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask,
+                                                                                enable_gqa=kv_heads != h)
+
+                rows.append(_torch_time(fn, {}, args, name, flops))
+    return rows
+
+
+def attention_benchmark(args) -> None:
+    """torch (a subprocess) and jax in one run: the issue's comparison."""
+    forwarded = ["--seq", str(args.seq), "--kv-heads", *map(str, args.kv_heads), "--iters", str(args.iters)]
+    rows = _subprocess_rows(args, "attention-torch", forwarded + ["--repeats", "3"])
+    jax_args = forwarded + ["--variant-timeout", str(args.variant_timeout)] + (["--only", *args.only] if args.only else [])
+    jax_args += ["--int8-configs", *(",".join(map(str, c)) for c in args.int8_configs)]
+    jax_args += ["--mosaic-attention-configs", *(",".join(map(str, c)) for c in args.mosaic_attention_configs)]
+    rows += _subprocess_rows(args, "attention-jax", jax_args)
+    print(f"\n{'implementation':<100} {'TOPS':>6} {'cosine':>9} {'rel L1':>7}")
+    for r in rows:
+        if "error" in r:
+            print(f"{r['name']:<100} error: {r['error']}")
+        else:
+            tops = r.get("tflops", 0)
+            cos = f"{r['cosine']:9.6f}" if "cosine" in r else f"{'':>9}"
+            rel = f"{r['rel_l1']:7.4f}" if "rel_l1" in r else f"{'':>7}"
+            print(f"{r['name']:<100} {tops:6.0f} {cos} {rel}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
 
 
 def flux_step(args) -> None:
@@ -1063,18 +1113,22 @@ def main(argv=None) -> None:
         p.add_argument("--repeats", type=int, default=3, help="torch: repeats of --iters calls")
         p.add_argument("--no-torch", dest="torch", action="store_false")
         p.add_argument("--json", default=None)
-    p = sub.add_parser("attention-jax")
-    p.add_argument("--seq", type=int, default=4608)
-    p.add_argument("--kv-heads", nargs="+", type=int, default=[12, 48])
-    p.add_argument("--int8-configs", nargs="+", type=lambda c: tuple(map(int, c.split(","))),
-                   default=[(64, 64, 4, 2), (128, 64, 8, 2), (128, 128, 8, 2)], help="block_q,block_k,warps,stages")
-    p.add_argument("--mosaic-attention-configs", nargs="+", type=lambda c: tuple(map(int, c.split(","))),
-                   default=[(128, 2), (64, 3), (64, 4)],
-                   help="block_k,stages of the Mosaic GPU INT8 attention (its K/V ring; the first also runs fused)")
-    p.add_argument("--iters", type=int, default=10)
-    p.add_argument("--only", nargs="+", default=None, metavar="TEXT", help="only the variants whose names contain one")
-    p.add_argument("--variant-timeout", type=float, default=180.0,
-                   help="seconds a variant may take (compile + timing) before the process is ended as hung")
+    for name in ("attention", "attention-jax", "attention-torch"):
+        p = sub.add_parser(name)
+        p.add_argument("--seq", type=int, default=4608)
+        p.add_argument("--kv-heads", nargs="+", type=int, default=[12, 48])
+        p.add_argument("--iters", type=int, default=10)
+        p.add_argument("--repeats", type=int, default=3, help="torch: repeats of --iters calls")
+        p.add_argument("--only", nargs="+", default=None, metavar="TEXT",
+                       help="jax: only the variants whose names contain one")
+        p.add_argument("--variant-timeout", type=float, default=180.0,
+                       help="jax: seconds a variant may take (compile + timing) before the process is ended as hung")
+        p.add_argument("--int8-configs", nargs="+", type=lambda c: tuple(map(int, c.split(","))),
+                       default=[(64, 64, 4, 2), (128, 64, 8, 2), (128, 128, 8, 2)], help="block_q,block_k,warps,stages")
+        p.add_argument("--mosaic-attention-configs", nargs="+", type=lambda c: tuple(map(int, c.split(","))),
+                       default=[(128, 2), (64, 3), (64, 4)],
+                       help="block_k,stages of the Mosaic GPU INT8 attention (its K/V ring; the first also runs fused)")
+        p.add_argument("--json", default=None)
     p = sub.add_parser("krea2-sharded-step")
     p.add_argument("--meshes", nargs="+", default=["", "seq=2", "seq=4", "seq=8"],
                    help='mesh texts as for generate.py --mesh ("" is one device)')
@@ -1115,7 +1169,8 @@ def main(argv=None) -> None:
         "krea2-pipeline-jax": jax_krea2_pipeline,
         "vae-decode": vae_decode, "vae-decode-diffusers": diffusers_vae_decode, "vae-decode-jax": jax_vae_decode,
         "flux-step": flux_step, "flux-step-diffusers": diffusers_flux_step, "flux-step-jax": jax_flux_step,
-        "gemm": gemm_benchmark, "gemm-jax": jax_gemm, "gemm-torch": torch_gemm, "attention-jax": jax_attention,
+        "gemm": gemm_benchmark, "gemm-jax": jax_gemm, "gemm-torch": torch_gemm, "attention": attention_benchmark,
+        "attention-jax": jax_attention, "attention-torch": torch_attention,
         "krea2-sharded-step": krea2_sharded_step,
         "krea2-lora-step": krea2_lora_step, "krea2-lora-step-jax": jax_krea2_lora_step,
     }
