@@ -35,10 +35,9 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, kv_lengths: jax.Array | 
     if implementation in _INT8_BACKENDS:
         from mxdit.pallas_kernels.attention import int8_attention  # kernels by name: model/'s one way to them
 
-        # Off the GPU the Pallas kernel runs in interpret mode (tests); it returns float32.
-        out = int8_attention(q, k, v, kv_lengths=kv_lengths, interpret=jax.default_backend() != "gpu",
-                             **_int8_options(implementation))
-        return out.astype(q.dtype)
+        # Off the GPU the Pallas kernel runs in interpret mode (tests).
+        return int8_attention(q, k, v, kv_lengths=kv_lengths, interpret=jax.default_backend() != "gpu",
+                              out_dtype=q.dtype, **_int8_options(implementation))
     return jax.nn.dot_product_attention(q, k, v, key_value_seq_lengths=kv_lengths, implementation=implementation)
 
 
@@ -55,9 +54,9 @@ def int8_attention_from_projections(q, k, v, norm_q: jax.Array, norm_k: jax.Arra
     quantization run in one pass (pallas_kernels/attention.py). Shapes as `attention`; returns q's dtype."""
     from mxdit.pallas_kernels.attention import int8_attention_fused
 
-    out = int8_attention_fused(q, k, v, norm_q, norm_k, eps, *rotary, kv_lengths=kv_lengths,
-                               interpret=jax.default_backend() != "gpu", **_int8_options(implementation))
-    return out.astype(q.dtype)
+    return int8_attention_fused(q, k, v, norm_q, norm_k, eps, *rotary, kv_lengths=kv_lengths,
+                                interpret=jax.default_backend() != "gpu", out_dtype=q.dtype,
+                                **_int8_options(implementation))
 
 
 def remat_call(block: nnx.Module, policy, *args, implementation):

@@ -107,7 +107,7 @@ def int8_attention_reference(q: jax.Array, k: jax.Array, v: jax.Array, *, kv_len
 
 def int8_attention(q, k, v, *, kv_lengths=None, pv: str = "bf16", block_q: int = 64, block_k: int = 64,
                    scale: float | None = None, interpret: bool = False, num_warps: int = 4, num_stages: int = 2,
-                   backend: str = "triton") -> jax.Array:
+                   backend: str = "triton", out_dtype=jnp.float32) -> jax.Array:
     """INT8-QK attention through a Pallas kernel; same arguments and result as `int8_attention_reference`
     (online softmax instead of a full one: equal up to rounding).
 
@@ -117,6 +117,9 @@ def int8_attention(q, k, v, *, kv_lengths=None, pv: str = "bf16", block_q: int =
     Each program walks the key blocks up to its batch element's length. GQA reads KV head n // group, so K/V are
     never repeated in memory.
 
+    out_dtype: the result's dtype (float32, as the reference, by default; the models ask for theirs, and the Mosaic
+    kernel then writes it directly).
+
     backend "triton": the portable kernel (`_int8_attention_kernel`; num_warps, num_stages are Triton's).
     "mosaic": the Hopper kernel (`_int8_attention_mosaic`; block_q must be 64, the rows of one warpgroup, and
     num_stages is the depth of its K/V ring)."""
@@ -125,20 +128,22 @@ def int8_attention(q, k, v, *, kv_lengths=None, pv: str = "bf16", block_q: int =
         raise ValueError(f"pv must be 'bf16' or 'fp8', got {pv!r}")
     qi, qs, ki, ks, v32, _ = _prologue(q, k, v, kv_lengths, block_q, block_k, scale)
     return _attention_backend(qi, qs, ki, ks, v32, kv_lengths, pv=pv, block_q=block_q, block_k=block_k,
-                              interpret=interpret, num_warps=num_warps, num_stages=num_stages, backend=backend)
+                              interpret=interpret, num_warps=num_warps, num_stages=num_stages, backend=backend,
+                              out_dtype=out_dtype)
 
 
 def _attention_backend(qi, qs, ki, ks, v32, kv_lengths, *, pv, block_q, block_k, interpret, num_warps, num_stages,
-                       backend):
+                       backend, out_dtype):
     if backend == "triton":
         return _int8_attention_kernel(qi, qs, ki, ks, v32, kv_lengths, pv=pv, block_q=block_q, block_k=block_k,
-                                      interpret=interpret, num_warps=num_warps, num_stages=num_stages)
+                                      interpret=interpret, num_warps=num_warps,
+                                      num_stages=num_stages).astype(out_dtype)
     if backend == "mosaic":
         if block_q != MOSAIC_ROWS:
             raise ValueError(f"the mosaic backend quantizes Q per {MOSAIC_ROWS} rows (one warpgroup): block_q must "
                              f"be {MOSAIC_ROWS}, got {block_q}")
         return _int8_attention_mosaic(qi, qs, ki, ks, v32, kv_lengths, pv=pv, block_k=block_k, num_stages=num_stages,
-                                      interpret=interpret)
+                                      interpret=interpret, out_dtype=out_dtype)
     raise ValueError(f"backend must be 'triton' or 'mosaic', got {backend!r}")
 
 
@@ -250,10 +255,10 @@ def compute_registers(compute_wgs: int, memory_registers: int = 40) -> int:
 
 
 def _int8_attention_mosaic(qi, qs, ki, ks, v32, kv_lengths, *, pv, block_k, num_stages, p_in_smem=None,
-                           interpret=False, lower_only=False):
+                           interpret=False, lower_only=False, out_dtype=jnp.float32):
     """The Mosaic GPU kernel on quantized Q (per 64 rows) and K (per `block_k` keys), (batch, seq, heads, dim) int8
     with scales (batch, seq blocks, heads), and V (batch, kv_len, kv_heads, dim) float32 with masked keys zeroed.
-    Returns float32 (batch, q_len, heads, dim).
+    Returns `out_dtype` (batch, q_len, heads, dim).
 
     A CTA (grid: heads, blocks of 128 query rows, batch) runs three warpgroups: two compute warpgroups of 64 query
     rows each, and a memory warpgroup that streams K and V blocks by TMA into a `num_stages` ring (a "full" barrier
@@ -312,6 +317,9 @@ def _int8_attention_mosaic(qi, qs, ki, ks, v32, kv_lengths, *, pv, block_k, num_
         v_block, v_transforms, p_dtype = (block_k, d), _mosaic_transforms(2, d), jnp.bfloat16
     wgmma_layout = plgpu.Layout.WGMMA
     log2e = math.log2(math.e)
+    # The output tile leaves in `out_dtype` (bf16 halves its shared memory and its writes), but for FP8 P.V, whose
+    # V channel scales are applied after the kernel: float32 until then.
+    kernel_out = jnp.dtype(out_dtype) if pv == "bf16" else jnp.dtype(jnp.float32)
 
     def kernel(q_gmem, qs_gmem, k_gmem, ks_gmem, v_gmem, len_gmem, o_gmem, scoped):
         (q_smem, k_smem, v_smem, p_smem, o_smem), (q_full, k_full, v_full), (k_free, v_free), schedule = scoped
@@ -406,7 +414,7 @@ def _int8_attention_mosaic(qi, qs, ki, ks, v32, kv_lengths, *, pv, block_k, num_
                 carry = lax.fori_loop(0, steps, functools.partial(step, masked=False), carry)
             acc, m, l = carry
             pl.when(wg == 0)(schedule_barrier)
-            o_smem.at[wg][...] = acc * lax.broadcast_in_dim(1.0 / l, acc.shape, [0])
+            o_smem.at[wg][...] = (acc * lax.broadcast_in_dim(1.0 / l, acc.shape, [0])).astype(kernel_out)
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(o_smem.at[wg], o_gmem.at[batch, pl.ds(row0, rows), head])
             plgpu.wait_smem_to_gmem(0)
@@ -453,7 +461,7 @@ def _int8_attention_mosaic(qi, qs, ki, ks, v32, kv_lengths, *, pv, block_k, num_
             plgpu.SMEM((stages, *v_block), vb.dtype, transforms=v_transforms),
             plgpu.SMEM((2, rows, block_k), p_dtype, transforms=_mosaic_transforms(jnp.dtype(p_dtype).itemsize,
                                                                                    block_k)) if p_in_smem else None,
-            plgpu.SMEM((2, rows, d), jnp.float32, transforms=_mosaic_transforms(4, d)),
+            plgpu.SMEM((2, rows, d), kernel_out, transforms=_mosaic_transforms(jnp.dtype(kernel_out).itemsize, d)),
         ]
         pl.run_scoped(
             lambda *scoped: kernel(q_gmem, qs_gmem, k_gmem, ks_gmem, v_gmem, len_gmem, o_gmem, scoped),
@@ -466,7 +474,7 @@ def _int8_attention_mosaic(qi, qs, ki, ks, v32, kv_lengths, *, pv, block_k, num_
 
     call = plgpu.kernel(
         entry,
-        out_type=jax.ShapeDtypeStruct((b, 2 * n_q * rows, h, d), jnp.float32),
+        out_type=jax.ShapeDtypeStruct((b, 2 * n_q * rows, h, d), kernel_out),
         grid=(h, n_q, b),
         grid_names=("heads", "q_seq", "batch"),
         num_threads=3,
@@ -479,7 +487,7 @@ def _int8_attention_mosaic(qi, qs, ki, ks, v32, kv_lengths, *, pv, block_k, num_
         out = call(qi, qs, ki, ks, vb, lengths)[:, :sq]
         if pv == "fp8":
             out = out * jnp.repeat(v_scale / 448.0, group, axis=1)[:, None]
-        return out
+        return out.astype(out_dtype)
 
     if lower_only:
         return jax.jit(run).trace(qi, qs, ki, ks, vb, lengths).lower(lowering_platforms=("cuda",))
@@ -611,7 +619,8 @@ def _rms_rope_quantize(x, weight, eps, cos_half, sin_half, mean, lengths, multip
 
 def int8_attention_fused(q, k, v, norm_q, norm_k, eps: float, cos, sin, *, kv_lengths=None, pv: str = "bf16",
                          block_q: int = 64, block_k: int = 64, scale: float | None = None, interpret: bool = False,
-                         num_warps: int = 4, num_stages: int = 2, backend: str = "triton") -> jax.Array:
+                         num_warps: int = 4, num_stages: int = 2, backend: str = "triton",
+                         out_dtype=jnp.float32) -> jax.Array:
     """`int8_attention` of the normed and rotated Q and K, from the raw projections: the fused prologue
     (`int8_qk_prologue`, Triton lowering) replaces the models' RMSNorm and rotary steps and the quantization pass.
     Arguments as `int8_qk_prologue` and `int8_attention` (backend: the attention kernel's); returns float32
@@ -624,4 +633,5 @@ def int8_attention_fused(q, k, v, norm_q, norm_k, eps: float, cos, sin, *, kv_le
     valid = jnp.ones(k.shape[:2], bool) if kv_lengths is None else jnp.arange(k.shape[1])[None] < kv_lengths[:, None]
     v32 = jnp.where(valid[:, :, None, None], v.astype(jnp.float32), 0.0)
     return _attention_backend(qi, qs, ki, ks, v32, kv_lengths, pv=pv, block_q=block_q, block_k=block_k,
-                              interpret=interpret, num_warps=num_warps, num_stages=num_stages, backend=backend)
+                              interpret=interpret, num_warps=num_warps, num_stages=num_stages, backend=backend,
+                              out_dtype=out_dtype)

@@ -772,7 +772,7 @@ def jax_attention(args) -> list[dict]:
                     variants[f"int8-QK {pv}-PV mosaic k{bk} s{stages}, {tag}"] = (
                         lambda q, k, v, bk=bk, stages=stages, pv=pv: attention.int8_attention(
                             q, k, v, kv_lengths=lengths, pv=pv, block_q=64, block_k=bk, num_stages=stages,
-                            backend="mosaic"))
+                            backend="mosaic", out_dtype=jnp.bfloat16))  # bf16 out, as cuDNN's and the models'
             # From raw projections: XLA's RMSNorm + rotary then cuDNN, against the INT8 kernel with its fused prologue.
             norm = jnp.zeros((d,), jnp.float32)
             angles = jnp.arange(s)[:, None] * (1.0 / 10000 ** (jnp.arange(0, d, 2) / d))
@@ -789,7 +789,7 @@ def jax_attention(args) -> list[dict]:
                 variants[f"int8-QK {pv}-PV mosaic k{bk} s{stages} with fused RMSNorm+rotary+quantize prologue, {tag}"] = (
                     lambda q, k, v, pv=pv, bk=bk, stages=stages: attention.int8_attention_fused(
                         q, k, v, norm, norm, 1e-6, cos, sin, kv_lengths=lengths, pv=pv, block_q=64, block_k=bk,
-                        num_stages=stages, backend="mosaic"))
+                        num_stages=stages, backend="mosaic", out_dtype=jnp.bfloat16))
             exact_normed = jax.jit(lambda q, k, v: jax.nn.dot_product_attention(
                 attention.rms_rope_reference(q, norm, 1e-6, cos, sin), attention.rms_rope_reference(k, norm, 1e-6, cos, sin),
                 v.astype(jnp.float32), key_value_seq_lengths=lengths, implementation="xla"))(q, k, v)
@@ -1126,7 +1126,7 @@ def main(argv=None) -> None:
         p.add_argument("--int8-configs", nargs="+", type=lambda c: tuple(map(int, c.split(","))),
                        default=[(64, 64, 4, 2), (128, 64, 8, 2), (128, 128, 8, 2)], help="block_q,block_k,warps,stages")
         p.add_argument("--mosaic-attention-configs", nargs="+", type=lambda c: tuple(map(int, c.split(","))),
-                       default=[(128, 2), (64, 3), (64, 4)],
+                       default=[(128, 2), (128, 3), (64, 3), (64, 4)],
                        help="block_k,stages of the Mosaic GPU INT8 attention (its K/V ring; the first also runs fused)")
         p.add_argument("--json", default=None)
     p = sub.add_parser("krea2-sharded-step")

@@ -139,14 +139,28 @@ def test_mosaic_kernel_matches_the_reference_in_interpret_mode(d, h, hk, sq, sk,
     assert cosine(out, truth) >= 0.999 and relative_l1(out, truth) <= BOUNDS[pv]
 
 
-@pytest.mark.parametrize("d, pv, p_in_smem, block_k, num_stages", [
-    (128, "bf16", False, 128, 2),  # the fast path: P from registers
-    (64, "bf16", False, 128, 3),
-    (128, "bf16", True, 64, 2),
-    (128, "fp8", True, 128, 2),
-    (64, "fp8", True, 64, 2),
+def test_mosaic_kernel_writes_bf16_directly():
+    """out_dtype=bf16: the kernel's output tile is bf16 (half the shared memory); the same values as its float32
+    output, rounded once."""
+    from mxdit.pallas_kernels.attention import int8_attention
+
+    q, k, v = inputs(8, sq=130, sk=200, h=2, hk=1, d=64)
+    kv = jnp.asarray([200, 90])
+    f32 = int8_attention(q, k, v, kv_lengths=kv, block_k=64, backend="mosaic", interpret=True)
+    bf16 = int8_attention(q, k, v, kv_lengths=kv, block_k=64, backend="mosaic", interpret=True, out_dtype=jnp.bfloat16)
+    assert bf16.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(bf16), np.asarray(f32.astype(jnp.bfloat16)))
+
+
+@pytest.mark.parametrize("d, pv, p_in_smem, block_k, num_stages, out_dtype", [
+    (128, "bf16", False, 128, 2, jnp.float32),  # the fast path: P from registers
+    (128, "bf16", False, 128, 3, jnp.bfloat16),  # bf16 output: three stages fit in shared memory
+    (64, "bf16", False, 128, 3, jnp.float32),
+    (128, "bf16", True, 64, 2, jnp.float32),
+    (128, "fp8", True, 128, 2, jnp.float32),
+    (64, "fp8", True, 64, 2, jnp.bfloat16),
 ])
-def test_mosaic_kernel_lowers_for_the_gpu(d, pv, p_in_smem, block_k, num_stages):
+def test_mosaic_kernel_lowers_for_the_gpu(d, pv, p_in_smem, block_k, num_stages, out_dtype):
     """Mosaic GPU's own lowering (layouts, wgmma operand checks, TMA slices) runs in Python, so the CPU can check
     that every variant lowers, including those the interpreter cannot run. Not checked: LLVM/ptxas, and speed."""
     from mxdit.pallas_kernels import attention as A
@@ -155,7 +169,7 @@ def test_mosaic_kernel_lowers_for_the_gpu(d, pv, p_in_smem, block_k, num_stages)
     lengths = jnp.asarray([300, 150])
     qi, qs, ki, ks, v32, _ = A._prologue(q, k, v, lengths, 64, block_k, d**-0.5)
     lowered = A._int8_attention_mosaic(qi, qs, ki, ks, v32, lengths, pv=pv, block_k=block_k, num_stages=num_stages,
-                                       p_in_smem=p_in_smem, lower_only=True)
+                                       p_in_smem=p_in_smem, lower_only=True, out_dtype=out_dtype)
     assert "mosaic_gpu" in lowered.as_text()
 
 
