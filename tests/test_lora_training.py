@@ -289,6 +289,23 @@ def test_flux_lora_trains_from_the_command_line(photos, tmp_path, capsys):
     b = dict(adapters(transformer))["single_transformer_blocks.0.proj_mlp"].B[...]
     np.testing.assert_array_equal(b, saved["transformer.single_transformer_blocks.0.proj_mlp.lora_B.weight"])
     assert np.abs(b).max() > 0
+    # The file read as any diffusers-layout LoRA (lora_files, checked against diffusers on FLUX elsewhere): the same
+    # velocity as with our own loader.
+    from mxdit.training.lora_files import apply_loras
+
+    other = FluxPipeline.from_pretrained(FLUX_PIPELINE, jnp.float32).transformer
+    apply_loras(other, [(out / "lora.safetensors", 1.0)])
+    rng = np.random.default_rng(1)
+    ids = np.zeros((24, 3), np.float32)
+    ids[8:, 1], ids[8:, 2] = np.arange(16) // 4, np.arange(16) % 4
+    args = (jnp.asarray(rng.standard_normal((1, 16, 64)), jnp.float32),
+            jnp.asarray(rng.standard_normal((1, 8, 24)), jnp.float32),
+            jnp.asarray(rng.standard_normal((1, 32)), jnp.float32), jnp.array([0.4]), jnp.asarray(ids[8:]),
+            jnp.asarray(ids[:8]), jnp.array([3.5]))
+    ours, theirs = np.asarray(transformer(*args)), np.asarray(other(*args))
+    base = np.asarray(FluxPipeline.from_pretrained(FLUX_PIPELINE, jnp.float32).transformer(*args))
+    assert np.abs(ours - base).max() > 1e-3  # the LoRA changes the output
+    np.testing.assert_allclose(theirs, ours, rtol=1e-5, atol=1e-5)
 
     code, captured = run_cli(argv[:6] + ["--output", str(tmp_path / "other"), "--targets", "authors"], capsys)
     assert code == 2 and "no preset 'authors' for flux" in captured.err and len(captured.err.splitlines()) == 1
