@@ -884,25 +884,46 @@ TINY_KREA2 = dict(in_channels=64, num_layers=2, attention_head_dim=32, num_atten
                   num_layerwise_text_blocks=1, num_refiner_text_blocks=1, axes_dims_rope=(8, 12, 12))
 
 
-def jax_krea2_lora_step(args) -> list[dict]:
-    """One LoRA training step (forward, backward to the adapters, clipping, AdamW) of full-size Krea 2 with random
-    bf16 weights, batch 1, as `training.train.train_step` runs it; one remat policy per process, so that the device's
-    peak memory is this variant's own. Timed by syncing after `iters` dispatched steps."""
+TINY_FLUX = dict(num_layers=2, num_single_layers=2, attention_head_dim=16, num_attention_heads=2, joint_attention_dim=24,
+                 pooled_projection_dim=32, axes_dims_rope=(4, 6, 6))
+
+
+def jax_lora_step(args) -> list[dict]:
+    """One LoRA training step (forward, backward to the adapters, clipping, AdamW) of full-size Krea 2 or FLUX.1-dev
+    (`args.family`) with random bf16 weights, batch 1, as `training.train.train_step` runs it; one remat policy per
+    process, so that the device's peak memory is this variant's own. Timed by syncing after `iters` dispatched
+    steps."""
     import jax
     import jax.numpy as jnp
     from flax import nnx
 
-    from mxdit.model.krea2 import Krea2Config, Krea2Transformer
     from mxdit.training.lora import LoraConfig, add_lora, quantize_base
     from mxdit.training.train import REMAT_POLICIES, TrainConfig, jit_train_step, make_optimizer
 
-    cfg = Krea2Config(**TINY_KREA2) if args.tiny else _config(args)
     device = jax.devices()[0]
-    model = Krea2Transformer(cfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
-    if args.quantize_base:
-        from mxdit.quant.model import krea2_rules
+    if args.family == "flux":
+        from mxdit.model.flux import FluxConfig, FluxTransformer
+        from mxdit.quant.model import flux_rules as rules
 
-        quantize_base(model, krea2_rules(args.quantize_base))
+        layers = {} if args.num_layers is None else dict(num_layers=args.num_layers, num_single_layers=2 * args.num_layers)
+        cfg = FluxConfig(**TINY_FLUX) if args.tiny else FluxConfig(**layers)
+        model = FluxTransformer(cfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+        hidden, text, pooled, img_ids, txt_ids = _flux_inputs(cfg, args.height, args.width, args.text_len)
+        batch = {"latents": jnp.asarray(hidden)[None], "embeds": jnp.asarray(text, jnp.bfloat16)[None],
+                 "mask": jnp.ones((1, 1, args.text_len), bool), "pooled": jnp.asarray(pooled, jnp.bfloat16)[None],
+                 "position_ids": jnp.asarray(np.concatenate([txt_ids, img_ids]))}
+    else:
+        from mxdit.model.krea2 import Krea2Config, Krea2Transformer
+        from mxdit.quant.model import krea2_rules as rules
+
+        cfg = Krea2Config(**TINY_KREA2) if args.tiny else _config(args)
+        model = Krea2Transformer(cfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+        hidden, text, _, position_ids, mask = _krea2_inputs(cfg, args.height, args.width, args.text_len,
+                                                            args.valid_text)
+        batch = {"latents": jnp.asarray(hidden)[None], "embeds": jnp.asarray(text, jnp.bfloat16)[None],
+                 "mask": jnp.asarray(mask)[None], "position_ids": jnp.asarray(position_ids)}
+    if args.quantize_base:
+        quantize_base(model, rules(args.quantize_base))
     names = add_lora(model, LoraConfig(rank=args.rank, alpha=float(args.rank)))
     model.remat_policy = REMAT_POLICIES[args.remat]
     config = TrainConfig(steps=10_000, remat=args.remat)
@@ -911,11 +932,8 @@ def jax_krea2_lora_step(args) -> list[dict]:
     opt_state = make_optimizer(config).init(lora)
     lora, opt_state = jax.device_put((lora, opt_state), device)
     lora_params = sum(int(x.size) for x in jax.tree.leaves(lora))
-    hidden, text, _, position_ids, mask = _krea2_inputs(cfg, args.height, args.width, args.text_len, args.valid_text)
-    batch = {"latents": jnp.asarray(hidden)[None], "embeds": jnp.asarray(text, jnp.bfloat16)[None],
-             "mask": jnp.asarray(mask)[None], "position_ids": jnp.asarray(position_ids)}
     key = jax.random.key(0)
-    row = {"name": f"jax LoRA step bf16, rank {args.rank}, {len(names)} adapters, remat {args.remat}"
+    row = {"name": f"jax {args.family} LoRA step bf16, rank {args.rank}, {len(names)} adapters, remat {args.remat}"
                    + (f", base {args.quantize_base}" if args.quantize_base else ""), "lora_params": lora_params}
     try:
         t0 = time.perf_counter()
@@ -945,7 +963,7 @@ def jax_krea2_lora_step(args) -> list[dict]:
     return [row]
 
 
-def krea2_lora_step(args) -> None:
+def lora_step(args) -> None:
     forwarded = ["--height", str(args.height), "--width", str(args.width), "--text-len", str(args.text_len),
                  "--valid-text", str(args.valid_text), "--rank", str(args.rank), "--iters", str(args.iters),
                  "--repeats", str(args.repeats)]
@@ -954,10 +972,12 @@ def krea2_lora_step(args) -> None:
     forwarded += ["--quantize-base", args.quantize_base] if args.quantize_base else []
     rows = []
     for remat in args.remat:
-        rows += _subprocess_rows(args, "krea2-lora-step-jax", forwarded + ["--remat", remat])
+        rows += _subprocess_rows(args, f"{args.family}-lora-step-jax", forwarded + ["--remat", remat])
     size = "tiny model" if args.tiny else "full size"
-    print(f"\nKrea 2 LoRA training step ({size}), {args.height}x{args.width}, batch 1, text {args.text_len} "
-          f"({args.valid_text} real). Peak GB: device peak (0 where the device reports none); temp GB: the "
+    model = {"krea2": "Krea 2", "flux": "FLUX.1-dev"}[args.family]
+    real = f" ({args.valid_text} real)" if args.family == "krea2" else ""  # FLUX.1 attends to every text token
+    print(f"\n{model} LoRA training step ({size}), {args.height}x{args.width}, batch 1, text {args.text_len}{real}. "
+          "Peak GB: device peak (0 where the device reports none); temp GB: the "
           "compiled step's temporaries (what remat trades); program GB: its arguments + temporaries + outputs")
     print(f"{'variant':<66} {'s/step':>8} {'peak GB':>8} {'temp GB':>8} {'program GB':>10} {'warm-up s':>9}")
     for r in rows:
@@ -1144,20 +1164,21 @@ def main(argv=None) -> None:
     p.add_argument("--iters", type=int, default=10, help="steps per timed repeat")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--json", default=None, help="write the result rows to this file")
-    for name in ("krea2-lora-step", "krea2-lora-step-jax"):
+    for name in ("krea2-lora-step", "krea2-lora-step-jax", "flux-lora-step", "flux-lora-step-jax"):
         p = sub.add_parser(name)
+        p.set_defaults(family=name.split("-")[0])
         p.add_argument("--height", type=int, default=1024)
         p.add_argument("--width", type=int, default=1024)
         p.add_argument("--text-len", type=int, default=512)
         p.add_argument("--valid-text", type=int, default=120)
         p.add_argument("--rank", type=int, default=32)
         p.add_argument("--num-layers", type=int, default=None, help="fewer blocks, for a quick smoke run")
-        p.add_argument("--tiny", action="store_true", help="a tiny Krea 2-shaped model (checks the path on a CPU)")
+        p.add_argument("--tiny", action="store_true", help="a tiny model of the family (checks the path on a CPU)")
         p.add_argument("--quantize-base", default=None, metavar="FORMAT", help="frozen block matrices in this format")
         p.add_argument("--iters", type=int, default=5, help="steps per timed repeat")
         p.add_argument("--repeats", type=int, default=3)
         p.add_argument("--json", default=None)
-        if name == "krea2-lora-step":
+        if not name.endswith("-jax"):
             p.add_argument("--remat", nargs="+", default=["none", "block"],
                            choices=["none", "block", "dots", "dots_all"], help="one process per policy")
         else:
@@ -1172,7 +1193,8 @@ def main(argv=None) -> None:
         "gemm": gemm_benchmark, "gemm-jax": jax_gemm, "gemm-torch": torch_gemm, "attention": attention_benchmark,
         "attention-jax": jax_attention, "attention-torch": torch_attention,
         "krea2-sharded-step": krea2_sharded_step,
-        "krea2-lora-step": krea2_lora_step, "krea2-lora-step-jax": jax_krea2_lora_step,
+        "krea2-lora-step": lora_step, "krea2-lora-step-jax": jax_lora_step,
+        "flux-lora-step": lora_step, "flux-lora-step-jax": jax_lora_step,
     }
     commands[args.command](args)
 
