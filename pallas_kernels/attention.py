@@ -46,12 +46,35 @@ def _heads_and_scale(q, k, scale):
     return h // hk, d**-0.5 if scale is None else scale
 
 
+def _check_pv(pv: str) -> None:
+    if pv not in ("bf16", "fp8"):
+        raise ValueError(f"pv must be 'bf16' or 'fp8', got {pv!r}")
+
+
+def _key_lengths(kv_lengths, batch: int, kv_len: int) -> jax.Array:
+    """(batch,) int32 numbers of valid keys: `kv_lengths`, or every key without a mask."""
+    return jnp.full((batch,), kv_len, jnp.int32) if kv_lengths is None else kv_lengths.astype(jnp.int32)
+
+
+def _valid_keys(kv_lengths, batch: int, kv_len: int) -> jax.Array:
+    """(batch, kv_len) bool: which keys are attended to."""
+    return jnp.arange(kv_len)[None, :] < _key_lengths(kv_lengths, batch, kv_len)[:, None]
+
+
+def _quantize_v_fp8(v32: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """V (batch, kv_len, kv_heads, dim) float32 per channel to E4M3, scale amax / 448 over the keys (masked keys are
+    zeroed before, so they do not enter the range). Returns the E4M3 values and the scales (batch, kv_heads, dim)."""
+    v_amax = jnp.max(jnp.abs(v32), axis=1)
+    v_scale = jnp.where(v_amax > 0, v_amax / 448.0, 1.0)
+    return (v32 / v_scale[:, None]).astype(jnp.float8_e4m3fn), v_scale
+
+
 def _prologue(q, k, v, kv_lengths, block_q, block_k, scale, smooth_k=True):
     """Masked keys and values zeroed (they must not enter any scale: a block's amax, V's channel range), K smoothed
-    over the valid keys, Q (times the softmax scale) and K quantized to INT8 per block. (A fused RMSNorm + RoPE +
-    quantize pass is still to come.) Returns qi, qs, ki, ks, v (float32) and the (batch, kv_len) validity."""
-    b, sk = k.shape[0], k.shape[1]
-    valid = jnp.ones((b, sk), bool) if kv_lengths is None else jnp.arange(sk)[None, :] < kv_lengths[:, None]
+    over the valid keys, Q (times the softmax scale) and K quantized to INT8 per block (`int8_qk_prologue` does the
+    same in one fused pass, from the raw projections). Returns qi, qs, ki, ks, v (float32) and the (batch, kv_len)
+    validity."""
+    valid = _valid_keys(kv_lengths, k.shape[0], k.shape[1])
     keep = valid[:, :, None, None]
     k32, v32 = jnp.where(keep, k.astype(jnp.float32), 0.0), jnp.where(keep, v.astype(jnp.float32), 0.0)
     if smooth_k:
@@ -74,8 +97,7 @@ def int8_attention_reference(q: jax.Array, k: jax.Array, v: jax.Array, *, kv_len
     Returns:
         (batch, q_len, heads, head_dim) float32.
     """
-    if pv not in ("bf16", "fp8"):
-        raise ValueError(f"pv must be 'bf16' or 'fp8', got {pv!r}")
+    _check_pv(pv)
     b, sq, h, d = q.shape
     sk, hk = k.shape[1], k.shape[2]
     group, scale = _heads_and_scale(q, k, scale)
@@ -92,12 +114,10 @@ def int8_attention_reference(q: jax.Array, k: jax.Array, v: jax.Array, *, kv_len
         out = jnp.einsum("bhgqk,bkhd->bqhgd", p.astype(jnp.bfloat16), v32.astype(jnp.bfloat16),
                          preferred_element_type=jnp.float32)
     else:
-        v_amax = jnp.max(jnp.abs(v32), axis=1, keepdims=True)
-        v_scale = jnp.where(v_amax > 0, v_amax / 448.0, 1.0)
-        v8 = (v32 / v_scale).astype(jnp.float8_e4m3fn)
+        v8, v_scale = _quantize_v_fp8(v32)
         p8 = (p * 448.0).astype(jnp.float8_e4m3fn)
         acc = jnp.einsum("bhgqk,bkhd->bqhgd", p8, v8, preferred_element_type=jnp.float32)
-        out = acc / 448.0 * v_scale[:, :, :, None, :]
+        out = acc / 448.0 * v_scale[:, None, :, None, :]
     return out.reshape(b, sq, h, d)
 
 
@@ -124,8 +144,7 @@ def int8_attention(q, k, v, *, kv_lengths=None, pv: str = "bf16", block_q: int =
     "mosaic": the Hopper kernel (`_int8_attention_mosaic`; block_q must be 64, the rows of one warpgroup, and
     num_stages is the depth of its K/V ring)."""
     _, scale = _heads_and_scale(q, k, scale)
-    if pv not in ("bf16", "fp8"):
-        raise ValueError(f"pv must be 'bf16' or 'fp8', got {pv!r}")
+    _check_pv(pv)
     qi, qs, ki, ks, v32, _ = _prologue(q, k, v, kv_lengths, block_q, block_k, scale)
     return _attention_backend(qi, qs, ki, ks, v32, kv_lengths, pv=pv, block_q=block_q, block_k=block_k,
                               interpret=interpret, num_warps=num_warps, num_stages=num_stages, backend=backend,
@@ -157,14 +176,12 @@ def _int8_attention_kernel(qi, qs, ki, ks, v32, kv_lengths, *, pv, block_q, bloc
     b, sq, h, d = qi.shape
     sk, hk = ki.shape[1], ki.shape[2]
     group = h // hk
-    if pv == "fp8":  # masked keys were zeroed by the prologue, so they do not enter the channel range
-        v_amax = jnp.max(jnp.abs(v32), axis=1)  # (batch, kv_heads, dim)
-        v_scale = jnp.where(v_amax > 0, v_amax / 448.0, 1.0)
-        vb = (v32 / v_scale[:, None]).astype(jnp.float8_e4m3fn)
+    if pv == "fp8":
+        vb, v_scale = _quantize_v_fp8(v32)
     else:
         v_scale = jnp.ones((b, hk, d), jnp.float32)
         vb = v32.astype(jnp.bfloat16)
-    lengths = jnp.full((b,), sk, jnp.int32) if kv_lengths is None else kv_lengths.astype(jnp.int32)
+    lengths = _key_lengths(kv_lengths, b, sk)
     pad_q, pad_k = (-sq) % block_q, (-sk) % block_k
     # (batch, heads, seq, dim) layouts padded to whole blocks; scales (batch, heads, blocks)
     qi = jnp.pad(qi, ((0, 0), (0, pad_q), (0, 0), (0, 0))).transpose(0, 2, 1, 3)
@@ -299,17 +316,15 @@ def _int8_attention_mosaic(qi, qs, ki, ks, v32, kv_lengths, *, pv, block_k, num_
     pad_q, pad_k = (-sq) % (2 * rows), (-sk) % block_k
     n_q, n_k = (sq + pad_q) // (2 * rows), (sk + pad_k) // block_k
     stages = max(1, min(num_stages, n_k))
-    lengths = jnp.full((b,), sk, jnp.int32) if kv_lengths is None else kv_lengths.astype(jnp.int32)
+    lengths = _key_lengths(kv_lengths, b, sk)
     tail_masked = kv_lengths is not None or pad_k > 0  # else no key of any block is masked
     qi = jnp.pad(qi, ((0, 0), (0, pad_q), (0, 0), (0, 0)))
     ki = jnp.pad(ki, ((0, 0), (0, pad_k), (0, 0), (0, 0)))
     # scales read as scalars from global memory: (batch, heads, blocks); padded query rows get scale 1
     qs = jnp.pad(qs, ((0, 0), (0, 2 * n_q - qs.shape[1]), (0, 0)), constant_values=1.0).transpose(0, 2, 1)
     ks = ks.transpose(0, 2, 1)
-    if pv == "fp8":  # masked keys were zeroed by the prologue, so they do not enter the channel range
-        v_amax = jnp.max(jnp.abs(v32), axis=1)  # (batch, kv_heads, dim)
-        v_scale = jnp.where(v_amax > 0, v_amax / 448.0, 1.0)
-        vb = (v32 / v_scale[:, None]).astype(jnp.float8_e4m3fn)
+    if pv == "fp8":
+        vb, v_scale = _quantize_v_fp8(v32)
         vb = jnp.pad(vb, ((0, 0), (0, pad_k), (0, 0), (0, 0))).transpose(0, 2, 3, 1)  # (batch, kv_heads, dim, keys)
         v_block, v_transforms, p_dtype = (d, block_k), _mosaic_transforms(1, block_k), jnp.float8_e4m3fn
     else:
@@ -531,12 +546,12 @@ def int8_qk_prologue(q, k, norm_q, norm_k, eps: float, cos, sin, kv_lengths=None
     hk = k.shape[2]
     cos = jnp.broadcast_to(cos, (b, s, d)).astype(jnp.float32)[..., 0::2]  # pairs share a frequency: half the table
     sin = jnp.broadcast_to(sin, (b, s, d)).astype(jnp.float32)[..., 0::2]
-    valid = jnp.ones((b, s), bool) if kv_lengths is None else jnp.arange(s)[None, :] < kv_lengths[:, None]
+    valid = _valid_keys(kv_lengths, b, s)
     k_mean = jnp.zeros((b, hk, d), jnp.float32)
     if smooth_k:
         k32 = jnp.where(valid[:, :, None, None], rms_rope_reference(k, norm_k, eps, *_full_tables(cos, sin)), 0.0)
         k_mean = jnp.sum(k32, axis=1) / jnp.maximum(valid.sum(axis=1), 1)[:, None, None]
-    lengths = jnp.full((b,), s, jnp.int32) if kv_lengths is None else kv_lengths.astype(jnp.int32)
+    lengths = _key_lengths(kv_lengths, b, s)
     q_mean = jnp.zeros((b, h, d), jnp.float32)
     qi, qs = _rms_rope_quantize(q, norm_q, eps, cos, sin, q_mean, None, scale, block_q, interpret)
     ki, ks = _rms_rope_quantize(k, norm_k, eps, cos, sin, _deinterleave(k_mean), lengths, 1.0, block_k, interpret)
@@ -623,14 +638,13 @@ def int8_attention_fused(q, k, v, norm_q, norm_k, eps: float, cos, sin, *, kv_le
                          out_dtype=jnp.float32) -> jax.Array:
     """`int8_attention` of the normed and rotated Q and K, from the raw projections: the fused prologue
     (`int8_qk_prologue`, Triton lowering) replaces the models' RMSNorm and rotary steps and the quantization pass.
-    Arguments as `int8_qk_prologue` and `int8_attention` (backend: the attention kernel's); returns float32
+    Arguments as `int8_qk_prologue` and `int8_attention` (backend: the attention kernel's); returns `out_dtype`
     (batch, seq, heads, head_dim)."""
     _, scale = _heads_and_scale(q, k, scale)
-    if pv not in ("bf16", "fp8"):
-        raise ValueError(f"pv must be 'bf16' or 'fp8', got {pv!r}")
+    _check_pv(pv)
     qi, qs, ki, ks = int8_qk_prologue(q, k, norm_q, norm_k, eps, cos, sin, kv_lengths, scale=scale, block_q=block_q,
                                       block_k=block_k, interpret=interpret)
-    valid = jnp.ones(k.shape[:2], bool) if kv_lengths is None else jnp.arange(k.shape[1])[None] < kv_lengths[:, None]
+    valid = _valid_keys(kv_lengths, k.shape[0], k.shape[1])
     v32 = jnp.where(valid[:, :, None, None], v.astype(jnp.float32), 0.0)
     return _attention_backend(qi, qs, ki, ks, v32, kv_lengths, pv=pv, block_q=block_q, block_k=block_k,
                               interpret=interpret, num_warps=num_warps, num_stages=num_stages, backend=backend,
