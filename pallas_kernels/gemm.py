@@ -36,7 +36,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mxdit.quant.formats import FORMATS, QuantizedArray, quantize
+from mxdit.quant.formats import FORMATS, QuantizedArray, decode, element_values, quantize, unpack_fp4, unpack_fp6
 
 BLOCK_K = 128  # the K extent of an activation / weight scale block, and of every kernel's K step
 MX_BLOCK = 32
@@ -159,8 +159,6 @@ def fold_mx_error(w: QuantizedArray, rows: int = 1) -> float:
 
 def _mx_values(w: QuantizedArray) -> jax.Array:
     """Unscaled element values of an MX array, (rows, blocks, 32) float32."""
-    from mxdit.quant.formats import element_values
-
     return element_values(w).reshape(w.data.shape[0], -1, MX_BLOCK)
 
 
@@ -172,8 +170,6 @@ def pack_mx_for_kernel(w: QuantizedArray) -> GemmWeight:
     low 4 bits that way and their top 2 bits in `high_bits`: within each 128-wide group h, byte j holds the top bits
     of elements 128h + 32q + j in bits [2q, 2q + 2), q = 0..3. MXFP8 keeps its E4M3 bytes.
     """
-    from mxdit.quant.formats import unpack_fp4, unpack_fp6
-
     f = w.format
     n = w.shape[0]
     if f.element.bits == 8:
@@ -268,8 +264,6 @@ def dequantize_weight(w: GemmWeight, *, rotated_basis: bool = False) -> jax.Arra
         v = w.data.astype(jnp.float32).reshape(w.n, w.k // BLOCK_K, BLOCK_K) * w.scale.T[..., None]
         return v.reshape(w.n, w.k)
     codes = _unpack_kernel_codes(w)
-    from mxdit.quant.formats import decode
-
     values = decode(codes, FORMATS[w.fmt].element).reshape(w.n, w.k // MX_BLOCK, MX_BLOCK)
     exps = w.scale.astype(jnp.int32) - 127
     return jnp.where(exps[..., None] == 128, jnp.nan, jnp.ldexp(values, exps[..., None])).reshape(w.n, w.k)
@@ -707,6 +701,5 @@ def scaled_matmul(x: jax.Array, w: GemmWeight, x_scale: jax.Array | None = None,
         residual = None if residual is None else jnp.pad(residual, ((0, 0), (0, pn)))
     y = _mosaic_gemm(x, x_scale.astype(jnp.float32), data, ws.astype(jnp.float32), bias, residual, gate,
                      x_blocks=x_blocks, w_blocks=w_blocks, activation=activation, out_dtype=out_dtype, config=config,
-                     w_scale_rows=w.scale_rows,
-                     interpret=interpret)
+                     w_scale_rows=w.scale_rows, interpret=interpret)
     return y[:m, : w.n]
