@@ -786,12 +786,14 @@ def jax_attention(args) -> list[dict]:
                     lambda q, k, v, pv=pv: attention.int8_attention_fused(q, k, v, norm, norm, 1e-6, cos, sin,
                                                                           kv_lengths=lengths, pv=pv))
                 bk, stages = args.mosaic_attention_configs[0]
-                variants[f"int8-QK {pv}-PV mosaic k{bk} s{stages} with fused RMSNorm+rotary+quantize prologue, {tag}"] = (
+                name = f"int8-QK {pv}-PV mosaic k{bk} s{stages} with fused RMSNorm+rotary+quantize prologue, {tag}"
+                variants[name] = (
                     lambda q, k, v, pv=pv, bk=bk, stages=stages: attention.int8_attention_fused(
                         q, k, v, norm, norm, 1e-6, cos, sin, kv_lengths=lengths, pv=pv, block_q=64, block_k=bk,
                         num_stages=stages, backend="mosaic", out_dtype=jnp.bfloat16))
             exact_normed = jax.jit(lambda q, k, v: jax.nn.dot_product_attention(
-                attention.rms_rope_reference(q, norm, 1e-6, cos, sin), attention.rms_rope_reference(k, norm, 1e-6, cos, sin),
+                attention.rms_rope_reference(q, norm, 1e-6, cos, sin),
+                attention.rms_rope_reference(k, norm, 1e-6, cos, sin),
                 v.astype(jnp.float32), key_value_seq_lengths=lengths, implementation="xla"))(q, k, v)
             for name, fn in variants.items():
                 if args.only and not any(s in name for s in args.only):
@@ -851,7 +853,8 @@ def attention_benchmark(args) -> None:
     """torch (a subprocess) and jax in one run: the issue's comparison."""
     forwarded = ["--seq", str(args.seq), "--kv-heads", *map(str, args.kv_heads), "--iters", str(args.iters)]
     rows = _subprocess_rows(args, "attention-torch", forwarded + ["--repeats", "3"])
-    jax_args = forwarded + ["--variant-timeout", str(args.variant_timeout)] + (["--only", *args.only] if args.only else [])
+    jax_args = forwarded + ["--variant-timeout", str(args.variant_timeout)]
+    jax_args += ["--only", *args.only] if args.only else []
     jax_args += ["--int8-configs", *(",".join(map(str, c)) for c in args.int8_configs)]
     jax_args += ["--mosaic-attention-configs", *(",".join(map(str, c)) for c in args.mosaic_attention_configs)]
     rows += _subprocess_rows(args, "attention-jax", jax_args)
@@ -884,8 +887,8 @@ TINY_KREA2 = dict(in_channels=64, num_layers=2, attention_head_dim=32, num_atten
                   num_layerwise_text_blocks=1, num_refiner_text_blocks=1, axes_dims_rope=(8, 12, 12))
 
 
-TINY_FLUX = dict(num_layers=2, num_single_layers=2, attention_head_dim=16, num_attention_heads=2, joint_attention_dim=24,
-                 pooled_projection_dim=32, axes_dims_rope=(4, 6, 6))
+TINY_FLUX = dict(num_layers=2, num_single_layers=2, attention_head_dim=16, num_attention_heads=2,
+                 joint_attention_dim=24, pooled_projection_dim=32, axes_dims_rope=(4, 6, 6))
 
 
 def jax_lora_step(args) -> list[dict]:
@@ -905,7 +908,8 @@ def jax_lora_step(args) -> list[dict]:
         from mxdit.model.flux import FluxConfig, FluxTransformer
         from mxdit.quant.model import flux_rules as rules
 
-        layers = {} if args.num_layers is None else dict(num_layers=args.num_layers, num_single_layers=2 * args.num_layers)
+        layers = {} if args.num_layers is None else dict(num_layers=args.num_layers,
+                                                         num_single_layers=2 * args.num_layers)
         cfg = FluxConfig(**TINY_FLUX) if args.tiny else FluxConfig(**layers)
         model = FluxTransformer(cfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
         hidden, text, pooled, img_ids, txt_ids = _flux_inputs(cfg, args.height, args.width, args.text_len)

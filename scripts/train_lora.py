@@ -112,8 +112,9 @@ def main(argv=None) -> int:
     import jax.numpy as jnp
 
     from mxdit.model.loading import CheckpointError
+    from mxdit.model.pipelines import load_pipeline
     from mxdit.training.data import DataError
-    from mxdit.training.lora import LoraConfig, quantize_base, target_preset
+    from mxdit.training.lora import LoraConfig, model_family, quantize_base, target_preset
     from mxdit.training.train import TrainConfig, TrainError, train
 
     try:
@@ -138,8 +139,6 @@ def main(argv=None) -> int:
             print("mxdit demo: tiny Krea 2-shaped model with RANDOM weights -- training machinery, not a real LoRA.")
             tag = "demo"
         else:
-            from mxdit.model.pipelines import load_pipeline
-
             pipe = load_pipeline(args.model, dtype)
             tag = str(args.model.resolve())
         targets = target_preset(pipe.transformer, args.targets) if isinstance(args.targets, str) else args.targets
@@ -147,8 +146,6 @@ def main(argv=None) -> int:
                                  dropout=args.dropout, targets=targets)
         validation_pipe = None
         if args.validation_model is not None:
-            from mxdit.model.pipelines import load_pipeline
-
             validation_pipe = load_pipeline(args.validation_model, dtype)
             if type(validation_pipe) is not type(pipe):
                 raise TrainError(f"--validation-model {args.validation_model}: a {type(validation_pipe).__name__}, "
@@ -156,7 +153,7 @@ def main(argv=None) -> int:
         if args.quantize_base:
             from mxdit.quant.model import flux_rules, krea2_rules
 
-            rules = flux_rules if type(pipe).__name__ == "FluxPipeline" else krea2_rules
+            rules = {"krea2": krea2_rules, "flux": flux_rules}[model_family(pipe.transformer)]
             quantize_base(pipe.transformer, rules(args.quantize_base))
         result = train(pipe, args.data, args.output, config, lora_config, resume=args.resume, model_tag=tag,
                        cache_dir=args.cache_dir, validation_pipe=validation_pipe, progress=not args.no_progress,

@@ -169,11 +169,10 @@ def build_cache(pipe, examples: Sequence[Example], buckets: Sequence[tuple[int, 
     fp32). FLUX.1 (a pipeline whose `encode_prompt` returns T5 states and a CLIP pooled vector): all
     `max_sequence_length` T5 states, padding included (FLUX.1 attends to it), and the pooled vector.
     """
-    from mxdit.model.pipeline_flux import FluxPipeline
-
     import jax.numpy as jnp
 
     from mxdit.model.images import uint8_to_unit_range
+    from mxdit.model.pipeline_flux import FluxPipeline
 
     cache_dir.mkdir(parents=True, exist_ok=True)
     cached = []

@@ -7,8 +7,9 @@ frozen base, the LoRA parameters, the optimizer state, a batch and a key); check
 Flow matching as Krea 2 (and diffusers' Krea 2 trainer) defines it: `x_t = (1 - sigma) x_0 + sigma * noise`, the
 model is called at timestep sigma (in [0, 1]) and predicts the velocity `noise - x_0`; the loss is its mean squared
 error, per example, then averaged. FLUX.1 trains the same way (diffusers' train_dreambooth_lora_flux.py), with its
-CLIP pooled text vector and, for FLUX.1-dev, the distilled guidance scale `guidance_scale` as extra inputs. Sigma is drawn logit-normal (`sigmoid(N(mean, std))`) or uniform then shifted
-by the same exponential time shift as the sampling schedule (mu fixed, or from the image token count as Krea 2 Base).
+CLIP pooled text vector and, for FLUX.1-dev, the distilled guidance scale `guidance_scale` as extra inputs. Sigma
+is drawn logit-normal (`sigmoid(N(mean, std))`) or uniform then shifted by the same exponential time shift as the
+sampling schedule (mu fixed, or from the image token count as Krea 2 Base).
 
 A step of `grad_accum` micro-batches of `batch_size`: the noise and sigmas of the whole step are drawn at once for
 `grad_accum * batch_size` examples and the gradients of the micro-batches averaged by a `lax.scan`, so it computes the
@@ -190,8 +191,8 @@ def accumulated_gradients(graphdef, config: TrainConfig, frozen: nnx.State, lora
     """(mean loss, mean gradient w.r.t. the LoRA parameters) of one optimizer step.
 
     batch: latents (k, b, S, C) packed; embeds (k, b, L, ...); mask (k, b, L); FLUX.1 also pooled (k, b, dim);
-    position_ids (L + S, 3) -- k micro-batches of b examples. Noise and sigmas are drawn for all k * b examples at once from `key`, so the
-    result does not depend on how they are split into micro-batches (dropout aside)."""
+    position_ids (L + S, 3) -- k micro-batches of b examples. Noise and sigmas are drawn for all k * b examples at
+    once from `key`, so the result does not depend on how they are split into micro-batches (dropout aside)."""
     k, b, seq, channels = batch["latents"].shape
     noise_key, sigma_key, dropout_key = jax.random.split(key, 3)
     noise = jax.random.normal(noise_key, (k * b, seq, channels), jnp.float32).reshape(k, b, seq, channels)
@@ -504,7 +505,7 @@ class _Placement:
         def split(x):
             return NamedSharding(self.mesh, PartitionSpec(None, ("data", "fsdp"), *([None] * (np.ndim(x) - 2))))
 
-        return {name: jax.device_put(x, self.replicated if name == "position_ids" else split(x))
+        return {name: jax.device_put(x, split(x) if name in PER_EXAMPLE else self.replicated)
                 for name, x in batch.items()}
 
     def context(self):
