@@ -273,3 +273,26 @@ def test_compute_warpgroup_registers_fit_the_sm():
     assert compute_registers(2) == 232  # jax's own FA3 kernel uses the same
     for wgs in (1, 2, 3):
         assert compute_registers(wgs) % 8 == 0 and wgs * 128 * compute_registers(wgs) + 128 * 40 <= 65536
+
+
+def test_int32_to_float32_by_bits_is_exact_over_the_int8_product_range():
+    """The Mosaic kernel's conversion of Q.K^T (integer add + float subtract, not the slow convert instruction) is
+    exact for every product of 256 INT8 pairs, the largest head_dim it takes."""
+    from mxdit.pallas_kernels.attention import _int32_to_float32
+
+    bound = 256 * 127 * 127
+    x = jnp.concatenate([jnp.arange(-2000, 2000, dtype=jnp.int32), jnp.array([bound, -bound, bound - 1], jnp.int32),
+                         jax.random.randint(jax.random.key(0), (100_000,), -bound, bound + 1, jnp.int32)])
+    np.testing.assert_array_equal(np.asarray(jax.jit(_int32_to_float32)(x)), np.asarray(x).astype(np.float32))
+
+
+def test_bf16_by_bits_rounds_to_nearest():
+    """The integer-only bf16 conversion (for P, values in [0, 1]) equals the conversion instruction except on exact
+    ties, which it rounds up."""
+    from mxdit.pallas_kernels.attention import _bf16_by_bits
+
+    p = jnp.concatenate([jax.random.uniform(jax.random.key(1), (100_000,)), jnp.array([0.0, 1.0, 1e-30, 0.5])])
+    ours, cvt = np.asarray(jax.jit(_bf16_by_bits)(p)), np.asarray(p.astype(jnp.bfloat16))
+    tie = (np.asarray(p).view(np.uint32) & 0xFFFF) == 0x8000  # exactly halfway between two bf16 values
+    np.testing.assert_array_equal(ours[~tie], cvt[~tie])
+    assert tie.any() and np.all(ours[tie].astype(np.float32) > np.asarray(p)[tie])
