@@ -112,11 +112,14 @@ class Linear(nnx.Module):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         """x: (..., in_features) -> (..., out_features)."""
+        weight = self.weight.get_value()
+        if _is_gemm_weight(weight):  # a low-precision weight for the GEMM kernels (`quantize_linear_layers`)
+            y = _kernel_matmul(x, weight, None if self.bias is None else self.bias[...])
+            return y if self.lora is None else self.lora(x, y)
         if self.activation_format is not None:
             from mxdit.quant.formats import quantize  # formats by name: the one way model/ reaches quant/
 
             x = quantize(x, self.activation_format, axis=-1).dequantize(x.dtype)
-        weight = self.weight.get_value()
         if hasattr(weight, "dequantize"):  # a quant.QuantizedArray (a frozen quantized base): dequantized per call
             weight = weight.dequantize(x.dtype)
         y = jax.lax.dot_general(x, weight, (((x.ndim - 1,), (1,)), ((), ())))
@@ -125,6 +128,68 @@ class Linear(nnx.Module):
         if self.lora is not None:
             y = self.lora(x, y)
         return y
+
+
+def _is_gemm_weight(weight) -> bool:
+    from mxdit.pallas_kernels.gemm import GemmWeight
+
+    return isinstance(weight, GemmWeight)
+
+
+def gemm_backend(weight) -> str:
+    """The GEMM kernel for a `GemmWeight`: on a GPU the Mosaic (Hopper) kernel for FP8 operands, the Triton one for
+    INT8 weights (wgmma here takes no INT8) and packed MX codes; elsewhere the jnp reference (CPU runs, tests)."""
+    from mxdit.pallas_kernels.gemm import FORMATS
+
+    if jax.default_backend() != "gpu":
+        return "reference"
+    return "triton" if weight.layout == "mx" or FORMATS[weight.fmt].kind == "int8" else "mosaic"
+
+
+def _kernel_matmul(x: jax.Array, weight, bias: jax.Array | None) -> jax.Array:
+    """x (..., k) @ weight^T through `pallas_kernels.gemm.scaled_matmul` (activations quantized per token on the
+    fly), in x's dtype."""
+    from mxdit.pallas_kernels.gemm import scaled_matmul
+
+    lead = x.shape[:-1]
+    y = scaled_matmul(x.reshape(-1, x.shape[-1]), weight, bias=bias, out_dtype=x.dtype, backend=gemm_backend(weight))
+    return y.reshape(*lead, weight.n)
+
+
+PRECISIONS = {"bf16": None, "fp8": "fp8_e4m3", "mxfp8": "mxfp8_e4m3", "mxfp6": "mxfp6_e2m3", "mxfp4": "mxfp4_e2m1",
+              "int8": "int8"}  # --precision name -> the quant format of the blocks' matrices (None: unquantized)
+
+
+def quantize_linear_layers(model: nnx.Module, rules, *, kernels: bool) -> list[str]:
+    """Quantize, in place, the weights of the Linear layers that `rules` select (`quant.model.krea2_rules(fmt)` and
+    the like: (pattern, format) on checkpoint keys). `kernels`: to `GemmWeight`s that the low-precision GEMM
+    kernels multiply directly (inference: activations quantized per token, W8A8 / MX weights); else to
+    `QuantizedArray`s dequantized per call (training's frozen base). One weight at a time, so the device never holds
+    a second full copy of the model. Returns the quantized keys."""
+    from mxdit.pallas_kernels.gemm import prepare_weight
+    from mxdit.quant.formats import quantize
+    from mxdit.quant.model import format_for
+
+    from .loading import module_key
+
+    quantize_jit = jax.jit(quantize, static_argnames=("fmt",))
+    prepare_jit = jax.jit(prepare_weight, static_argnames=("backend",))
+    done = []
+    for path, layer in nnx.iter_graph(model):
+        if not isinstance(layer, Linear):
+            continue
+        key = module_key(path) + ".weight"
+        weight = layer.weight.get_value()
+        if hasattr(weight, "dequantize") or _is_gemm_weight(weight):  # quantized already
+            continue
+        fmt = format_for(key, tuple(weight.shape), rules)
+        if fmt:
+            q = quantize_jit(weight, fmt=fmt)
+            # The Mosaic layout (MX exponents folded per 128 x 128 tile) also serves the reference; INT8 weights
+            # keep theirs (channel scales) for the Triton kernel.
+            layer.weight.set_value(prepare_jit(q, backend="mosaic") if kernels else q)
+            done.append(key)
+    return done
 
 
 class Conv2d(nnx.Module):

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from mxdit.model.layers import Linear
+from mxdit.model.layers import Linear, quantize_linear_layers
 from mxdit.model.loading import module_key, save_safetensors
 
 # The attention projections (q, k, v, the sigmoid gate, out) and the SwiGLU projections (gate, up, down) of every
@@ -250,19 +250,7 @@ def quantize_base(model: nnx.Module, rules) -> list[str]:
     """Quantize the frozen weights `rules` select (`quant.model.krea2_rules(fmt)` and the like: (pattern, format)
     on checkpoint keys) in place, to `quant.QuantizedArray`s that Linear dequantizes per call (QLoRA-style: the
     memory of the base shrinks, the adapters stay float32). Returns the quantized keys."""
-    from mxdit.quant.formats import quantize
-    from mxdit.quant.model import format_for
-
-    quantize_jit = jax.jit(quantize, static_argnames=("fmt",))
-    done = []
-    for name, layer in linear_layers(model):
-        key = name + ".weight"
-        weight = layer.weight.get_value()
-        fmt = None if hasattr(weight, "dequantize") else format_for(key, tuple(weight.shape), rules)
-        if fmt:
-            layer.weight.set_value(quantize_jit(weight, fmt=fmt))
-            done.append(key)
-    return done
+    return quantize_linear_layers(model, rules, kernels=False)
 
 
 # --------------------------------------------------------------------------------------------------------------------
