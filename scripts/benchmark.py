@@ -70,6 +70,8 @@ def jax_krea2_step(args) -> list[dict]:
     from flax import nnx
 
     from mxdit.model.krea2 import Krea2Transformer
+    from mxdit.model.layers import PRECISIONS, quantize_linear_layers
+    from mxdit.quant.model import krea2_rules
 
     cfg = _config(args)
     device = jax.devices()[0]
@@ -83,7 +85,16 @@ def jax_krea2_step(args) -> list[dict]:
     flops = _step_flops(cfg, hidden.shape[1], text.shape[1])
 
     results = []
-    for attention in args.jax_attention:
+    base = model
+    for precision, attention in ((p, a) for p in args.precisions for a in args.jax_attention):
+        if precision == "bf16":
+            model = base
+        elif model is base or model.precision != precision:
+            # The blocks' matrices quantized from the bf16 weights, one at a time, into the GEMM kernels' form.
+            model = nnx.clone(base)
+            quantize_linear_layers(model, krea2_rules(PRECISIONS[precision]), kernels=True)
+            model.precision = precision
+        weights_gb = sum(x.nbytes for x in jax.tree.leaves(nnx.state(model))) / 1e9
         for masked in (True, False) if args.unmasked_too else (True,):
             model.attention = attention
             graphdef, state = nnx.split(model)
@@ -108,11 +119,16 @@ def jax_krea2_step(args) -> list[dict]:
             for mode, call in variants.items():
                 if mode not in args.modes:
                     continue
-                row = {"name": f"jax bf16, {attention} attention, {'masked' if masked else 'no mask'}, {mode}"}
+                row = {"name": f"jax {precision}, {attention} attention, {'masked' if masked else 'no mask'}, {mode}",
+                       "weights_gb": weights_gb}
                 try:
                     t0 = time.perf_counter()
                     jax.block_until_ready(call(1))
                     row["compile_s"] = time.perf_counter() - t0
+                    if mode == "one jitted loop":  # the step's own memory beside the weights (the process peak
+                        # also holds the bf16 weights the quantized ones were made from)
+                        memory = fused.lower(state, hidden, text, timestep, 1).compile().memory_analysis()
+                        row["temp_gb"] = getattr(memory, "temp_size_in_bytes", 0) / 1e9
                     times = []
                     for _ in range(args.repeats):
                         t0 = time.perf_counter()
@@ -1076,14 +1092,17 @@ def _forwarded(args) -> list[str]:
 
 def _table(rows: list[dict], title: str) -> None:
     print(f"\n{title}")
-    print(f"{'implementation':<62} {'s/step':>8} {'TFLOP/s':>8} {'peak GB':>8} {'warm-up s':>9}")
+    print(f"{'implementation':<62} {'s/step':>8} {'TFLOP/s':>8} {'peak GB':>8} {'warm-up s':>9} {'weights GB':>10} "
+          f"{'temp GB':>8}")
     for r in rows:
         if "name" not in r:
             continue
         if "error" in r:
             print(f"{r['name']:<62} error: {r['error']}")
             continue
-        print(f"{r['name']:<62} {r['s_per_step']:8.4f} {r['tflops']:8.0f} {r['peak_gb']:8.1f} {r['compile_s']:9.1f}")
+        extra = "".join(f" {r[k]:{w}.1f}" if k in r else f" {'':>{w}}" for k, w in (("weights_gb", 10), ("temp_gb", 8)))
+        print(f"{r['name']:<62} {r['s_per_step']:8.4f} {r['tflops']:8.0f} {r['peak_gb']:8.1f} {r['compile_s']:9.1f}"
+              + extra)
 
 
 def main(argv=None) -> None:
@@ -1101,6 +1120,9 @@ def main(argv=None) -> None:
         p.add_argument("--torch-compile", action="store_true", help="also time diffusers under torch.compile")
         p.add_argument("--no-diffusers", dest="diffusers", action="store_false")
         p.add_argument("--jax-attention", nargs="+", default=["cudnn"], choices=["cudnn", "xla", "int8", "int8_mosaic"])
+        p.add_argument("--precisions", nargs="+", default=["bf16"],
+                       choices=["bf16", "fp8", "mxfp8", "mxfp6", "mxfp4", "int8"],
+                       help="the blocks' matrices in this format through the GEMM kernels (bf16: XLA's dots)")
         p.add_argument("--unmasked-too", action="store_true", help="also time the step without a text mask")
         p.add_argument("--modes", nargs="+", default=["one jitted loop", "a dispatch per step"],
                        choices=["one jitted loop", "a dispatch per step"])
