@@ -44,6 +44,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--output", type=Path, default=Path("output.png"), help="PNG path")
     parser.add_argument("--overwrite", action="store_true", help="replace existing output files")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="default bf16 (demo: fp32)")
+    parser.add_argument("--precision", choices=["bf16", "fp8", "mxfp8", "mxfp6", "mxfp4", "int8"], default="bf16",
+                        help="the transformer blocks' matrices in this format, multiplied by the low-precision GEMM "
+                             "kernels with activations quantized per token (default bf16: the --dtype weights as "
+                             "they are)")
+    parser.add_argument("--attention", choices=["cudnn", "xla", "int8", "int8_mosaic"], default=None,
+                        help="the attention kernel (default cuDNN on a GPU, XLA elsewhere; int8: INT8-QK, Triton "
+                             "lowering; int8_mosaic: INT8-QK, Hopper)")
+    parser.add_argument("--compile-cache", type=Path, default=Path.home() / ".cache" / "mxdit" / "jax",
+                        help="JAX's persistent compilation cache, so that a second run starts fast ('' : off)")
     parser.add_argument("--tiled-decode", action="store_true", help="decode the VAE in tiles (large images)")
     parser.add_argument("--max-sequence-length", type=int, default=None,
                         help="text tokens (default: Krea 2 512, FLUX.1-dev 512, schnell 256)")
@@ -90,6 +99,8 @@ def parse_args(argv=None) -> argparse.Namespace:
             if not path.is_file():
                 parser.error(f"--lora {path}: no such file")
     check_device_arguments(parser, args)
+    if args.mesh is not None and args.precision != "bf16":
+        parser.error(f"--precision {args.precision} with --mesh: sharded runs take bf16 weights for now")
     args.dtype = args.dtype or ("fp32" if args.demo else "bf16")
     return args
 
@@ -119,6 +130,12 @@ def main(argv=None) -> int:
     from mxdit.model.pipeline_krea2 import demo_pipeline
     from mxdit.model.pipelines import load_pipeline
 
+    if str(args.compile_cache) not in ("", "."):
+        from jax.experimental.compilation_cache import compilation_cache
+
+        compilation_cache.reset_cache()  # a cache already opened in this process (tests) would keep its folder
+        jax.config.update("jax_compilation_cache_dir", str(args.compile_cache))
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
     dtype = getattr(jnp, DTYPES[args.dtype])
     t0 = time.perf_counter()
     try:
@@ -128,10 +145,20 @@ def main(argv=None) -> int:
             print("mxdit demo: tiny Krea 2-shaped model with RANDOM weights -- the image is noise, not a picture.")
         else:
             pipe = load_pipeline(args.model, dtype=dtype)
+        if args.attention:
+            from mxdit.model.layers import attention_implementation
+
+            pipe.transformer.attention = attention_implementation(args.attention, dtype)
         if args.loras:
             from mxdit.training.lora_files import apply_loras
 
             apply_loras(pipe.transformer, args.loras, fuse=args.fuse_lora)  # before sharding: it places the adapters
+        if args.precision != "bf16":  # after fusing LoRAs: the fused weights are what gets quantized
+            from mxdit.model.layers import PRECISIONS, quantize_linear_layers
+            from mxdit.quant.model import flux_rules, krea2_rules
+
+            rules = (flux_rules if isinstance(pipe, FluxPipeline) else krea2_rules)(PRECISIONS[args.precision])
+            quantize_linear_layers(pipe.transformer, rules, kernels=True)
         if mesh is not None:
             if isinstance(pipe, FluxPipeline):
                 raise ValueError("--mesh: FLUX.1 runs on one device for now (sharding covers Krea 2)")
