@@ -258,6 +258,13 @@ class FinalLayer(nnx.Module):
 # The model
 
 
+def _real_tokens_first(mask: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(batch, text_len) bool mask -> the permutation that moves the real text tokens first and the padded ones last
+    (each group in its original order), and the number of real tokens per batch element."""
+    mask = mask.astype(bool)
+    return jnp.argsort(~mask, axis=1, stable=True), mask.sum(axis=1, dtype=jnp.int32)
+
+
 class Krea2Transformer(nnx.Module):
     """The Krea 2 flow-matching transformer: predicts the velocity of the packed image latents.
 
@@ -309,7 +316,9 @@ class Krea2Transformer(nnx.Module):
 
         Args:
             hidden_states: (batch, image_seq_len, in_channels) packed noisy latents.
-            encoder_hidden_states: (batch, text_seq_len, num_text_layers, text_hidden_dim) tapped text states.
+            encoder_hidden_states: (batch, text_seq_len, num_text_layers, text_hidden_dim) tapped text states, or
+                (batch, text_seq_len, hidden_size) what `fuse_text` made of them (the text stage then is skipped:
+                it depends on the prompt only, so a pipeline runs it once, not every step).
             timestep: (batch,) flow time in [0, 1] (1 is pure noise, 0 is clean data).
             position_ids: (text_seq_len + image_seq_len, 3) (t, h, w) rotary coordinates of the `[text, image]`
                 sequence; text rows are zero in Krea 2.
@@ -328,6 +337,7 @@ class Krea2Transformer(nnx.Module):
             )
         hidden_states = hidden_states.astype(self.dtype)
         encoder_hidden_states = encoder_hidden_states.astype(self.dtype)
+        fused = encoder_hidden_states.ndim == 3
         text_pos, image_pos = position_ids[:text_len], position_ids[text_len:]
 
         # Padded text tokens must not be attended to. Attention is permutation-equivariant and every other operation
@@ -337,23 +347,21 @@ class Krea2Transformer(nnx.Module):
         # padded text], and the image rows come out first, unpermuted.
         text_kv_lengths = joint_kv_lengths = None
         if encoder_attention_mask is not None:
-            mask = encoder_attention_mask.astype(bool)
-            order = jnp.argsort(~mask, axis=1, stable=True)  # real tokens first, each group in its original order
+            order, text_kv_lengths = _real_tokens_first(encoder_attention_mask)
             order = shard_activation(order, "batch", None)  # on a mesh: each sequence sorted whole, on its devices
-            encoder_hidden_states = jnp.take_along_axis(encoder_hidden_states, order[:, :, None, None], axis=1)
+            if not fused:
+                encoder_hidden_states = jnp.take_along_axis(encoder_hidden_states, order[:, :, None, None], axis=1)
             text_pos = jnp.take(text_pos, order, axis=0)  # (batch, text_len, 3)
             image_pos = jnp.broadcast_to(image_pos, (batch, *image_pos.shape))
-            text_kv_lengths = mask.sum(axis=1, dtype=jnp.int32)
             joint_kv_lengths = text_kv_lengths + image_len
 
         temb = self.time_embed(timestep, self.dtype)
         temb_mod = self.time_mod_proj(jax.nn.gelu(temb, approximate=True))
 
-        text = self.text_fusion(encoder_hidden_states, text_kv_lengths, self.attention)
         # On a mesh, the text stage runs whole on each device of a sequence group and the joint blocks on a split
         # sequence. The joint sequence is concatenated whole, then split: a local slice. (A concatenation straight
         # into a split sequence makes XLA's partitioner exchange data.)
-        text = self.txt_in(text)
+        text = encoder_hidden_states if fused else self._text_stage(encoder_hidden_states, text_kv_lengths)
         x = shard_activation(jnp.concatenate([self.img_in(hidden_states), text], axis=1), "batch", None, None)
         x = shard_activation(x, "batch", "sequence", None)
         positions = jnp.concatenate([image_pos, text_pos], axis=-2)
@@ -368,6 +376,20 @@ class Krea2Transformer(nnx.Module):
         # The final layer acts per token: applied before the slice, it keeps a split sequence split up to the small
         # (batch, seq, in_channels) output.
         return self.final_layer(x, temb)[:, :image_len]
+
+    def _text_stage(self, states: jax.Array, kv_lengths: jax.Array | None) -> jax.Array:
+        return self.txt_in(self.text_fusion(states, kv_lengths, self.attention))
+
+    def fuse_text(self, encoder_hidden_states: jax.Array, encoder_attention_mask: jax.Array | None = None) -> jax.Array:
+        """The text stage alone (text fusion, then the projection to the joint width), as `__call__` runs it:
+        (batch, text_len, num_text_layers, text_dim) tapped states -> (batch, text_len, hidden_size), the real
+        tokens first. Pass the result to `__call__` as `encoder_hidden_states` with the same mask."""
+        states = encoder_hidden_states.astype(self.dtype)
+        kv_lengths = None
+        if encoder_attention_mask is not None:
+            order, kv_lengths = _real_tokens_first(encoder_attention_mask)
+            states = jnp.take_along_axis(states, order[:, :, None, None], axis=1)
+        return self._text_stage(states, kv_lengths)
 
     # ----------------------------------------------------------------------------------------------------------------
     # Loading

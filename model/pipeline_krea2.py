@@ -168,7 +168,8 @@ class Krea2Pipeline:
             embeds, mask = jnp.concatenate([embeds, neg_embeds]), jnp.concatenate([mask, neg_mask])
         embeds = jnp.repeat(embeds, num_images_per_prompt, axis=0) if num_images_per_prompt > 1 else embeds
         mask = jnp.repeat(mask, num_images_per_prompt, axis=0) if num_images_per_prompt > 1 else mask
-        jax.block_until_ready(embeds)
+        # The transformer's text stage depends on the prompt only: once here, not in every step.
+        embeds = jax.block_until_ready(_fuse_text(self.transformer, embeds, mask))
         timings["text encode"] = time.perf_counter() - t0
 
         grid_h, grid_w = height // multiple, width // multiple
@@ -213,13 +214,19 @@ def _encode_text(encoder: Qwen3VLTextEncoder, ids, mask, positions, layers):
     return encoder(ids, mask, positions, layers)
 
 
+@nnx.jit
+def _fuse_text(model: Krea2Transformer, embeds, mask):
+    return model.fuse_text(embeds, mask)
+
+
 @nnx.jit(static_argnames=("cfg",))
 def denoise_step(model: Krea2Transformer, latents, embeds, mask, ids, t, sigma, sigma_next, guidance, cfg: bool):
     """One Euler step; with CFG the batch of embeds holds [conditional; unconditional]. Compiled once per shape: the
     step's time and sigmas are traced values.
 
     latents: (batch, image_len, in_channels) float32; embeds: ((2 if cfg else 1) * batch, text_len, num_text_layers,
-    text_dim); mask: (same batch, text_len) bool; ids: (text_len + image_len, 3); t, sigma, sigma_next, guidance:
+    text_dim) tapped text states, or what `Krea2Transformer.fuse_text` made of them (the pipeline's: computed once per
+    prompt); mask: (same batch, text_len) bool; ids: (text_len + image_len, 3); t, sigma, sigma_next, guidance:
     float32 scalars. Returns the next latents, (batch, image_len, in_channels) float32."""
     batch = latents.shape[0]
     x = jnp.concatenate([latents, latents]) if cfg else latents

@@ -80,18 +80,24 @@ def krea2_denoise_step(transformer: Krea2Transformer, mesh: Mesh, *, method: Met
     shard_params(model, mesh, () if weights == "replicated" else AXES)
     graphdef, state = nnx.split(model)
     replicated = NamedSharding(mesh, P())
-    # The latents (batch, image_len, in_channels) are small: replicated, each device takes its part of the batch.
-    # The same placement in and out, so that the next step neither reshards nor recompiles.
-    in_shardings = (jax.tree.map(lambda x: x.sharding, state), replicated, batch_sharding(mesh, 4),
-                    batch_sharding(mesh, 2)) + (replicated,) * 5
 
-    @functools.partial(jax.jit, static_argnums=9, in_shardings=in_shardings, out_shardings=replicated)
     def sharded_step(state, latents, embeds, mask, ids, t, sigma, sigma_next, guidance, cfg: bool):
         embeds, mask, ids = pad_text(embeds, mask, ids, latents.shape[1], degree)
         return denoise_step(nnx.merge(graphdef, state), latents, embeds, mask, ids, t, sigma, sigma_next, guidance, cfg)
 
+    @functools.cache
+    def compiled(embeds_ndim: int):
+        """The step for embeds of this rank (tapped text states: 4; the pipeline's fused text: 3)."""
+        # The latents (batch, image_len, in_channels) are small: replicated, each device takes its part of the
+        # batch. The same placement in and out, so that the next step neither reshards nor recompiles.
+        in_shardings = (jax.tree.map(lambda x: x.sharding, state), replicated, batch_sharding(mesh, embeds_ndim),
+                        batch_sharding(mesh, 2)) + (replicated,) * 5
+        return jax.jit(sharded_step, static_argnums=9, in_shardings=in_shardings,
+                       out_shardings=replicated), in_shardings
+
     def step(latents, embeds, mask, ids, t, sigma, sigma_next, guidance, cfg: bool):
         check_batch(embeds.shape[0], mesh, BATCH_AXES, "batch of images (with CFG: twice, conditional and not)")
+        jitted, in_shardings = compiled(np.ndim(embeds))
         args = (latents, embeds, mask, ids, t, sigma, sigma_next, guidance)
         # Placed before the call, so that every step sees the same committed placements (jit compiles again when an
         # input changes from uncommitted to committed, even with in_shardings).
@@ -101,13 +107,13 @@ def krea2_denoise_step(transformer: Krea2Transformer, mesh: Mesh, *, method: Met
             args = tuple(jax.make_array_from_process_local_data(sharding, np.asarray(x), np.shape(x))
                          for sharding, x in zip(in_shardings[1:], args))
         with activation_rules(mesh):
-            out = sharded_step(state, *args, cfg)
+            out = jitted(state, *args, cfg)
         # Back to this process's first device, where the rest of the pipeline (the VAE) runs.
         return jax.device_put(out.addressable_data(0), jax.local_devices()[0])
 
     def lower(*args, cfg: bool):  # for HLO inspection
         with activation_rules(mesh):
-            return sharded_step.lower(state, *args, cfg)
+            return compiled(np.ndim(args[1]))[0].lower(state, *args, cfg)
 
     step.lower = lower
     return step

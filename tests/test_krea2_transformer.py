@@ -52,6 +52,19 @@ def test_jitted_forward_matches_diffusers(tiny, reference):
     assert relative_l2(run(tiny, reference, jit=True), reference["output_masked"]) <= 1e-4
 
 
+@pytest.mark.parametrize("masked", [True, False])
+def test_text_stage_computed_once_gives_the_same_velocity(tiny, reference, masked):
+    """`fuse_text` (what the pipeline runs once per prompt) passed in place of the tapped states: the same output
+    as diffusers', which runs the text stage inside every call."""
+    mask = reference["encoder_attention_mask"] if masked else None
+    fused = tiny.fuse_text(reference["encoder_hidden_states"], mask)
+    assert fused.shape == (*reference["encoder_hidden_states"].shape[:2], tiny.config.hidden_size)
+    out = tiny(reference["hidden_states"], fused, reference["timestep"], reference["position_ids"], mask)
+    expected = reference["output_masked" if masked else "output_unmasked"]
+    assert relative_l2(out, expected) <= 1e-4
+    np.testing.assert_allclose(np.asarray(out), np.asarray(run(tiny, reference, masked)), rtol=0, atol=1e-6)
+
+
 def test_padded_text_tokens_do_not_change_image_tokens(tiny, reference):
     ref = dict(reference)
     mask = ref["encoder_attention_mask"]
