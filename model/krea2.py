@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from .layers import (Linear, apply_rotary, attention, attention_implementation, int8_attention_from_projections,
+from .layers import (Linear, apply_rotary, stacked_linear, attention, attention_implementation, int8_attention_from_projections,
                      remat_call, rotary_tables, shard_activation)
 from .loading import CheckpointError, config_from_dict, load_state, open_checkpoint, read_json
 
@@ -107,6 +107,18 @@ class Attention(nnx.Module):
         self.norm_q = RMSNorm(self.head_dim, eps)
         self.norm_k = RMSNorm(self.head_dim, eps)
         self.to_out = nnx.List([Linear(dim, dim, bias=False, dtype=dtype, rngs=rngs)])
+        self.to_qkvg = nnx.data(None)  # `stack_projections`: Q, K, V and the gate as one Linear (inference)
+
+    def stack_projections(self) -> bool:
+        """Replace to_q, to_k, to_v and to_gate by one Linear of their stacked weights (one product of x instead of
+        four). For inference: the separate layers are gone afterwards. False when they cannot be stacked."""
+        if self.to_qkvg is not None:
+            return False
+        stacked = stacked_linear([self.to_q, self.to_k, self.to_v, self.to_gate])
+        if stacked is not None:
+            self.to_qkvg = stacked
+            self.to_q = self.to_k = self.to_v = self.to_gate = None
+        return stacked is not None
 
     def __call__(
         self,
@@ -119,9 +131,14 @@ class Attention(nnx.Module):
         keys (the caller orders padded tokens last). `implementation`: a kernel name or an `AttentionFn`. Returns
         (batch, seq, dim)."""
         batch, seq, _ = x.shape
-        q = self.to_q(x).reshape(batch, seq, self.num_heads, self.head_dim)
-        k = self.to_k(x).reshape(batch, seq, self.num_kv_heads, self.head_dim)
-        v = self.to_v(x).reshape(batch, seq, self.num_kv_heads, self.head_dim)
+        if self.to_qkvg is not None:
+            nq, nk = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+            q, k, v, gate = jnp.split(self.to_qkvg(x), [nq, nq + nk, nq + 2 * nk], axis=-1)
+        else:
+            q, k, v, gate = self.to_q(x), self.to_k(x), self.to_v(x), self.to_gate(x)
+        q = q.reshape(batch, seq, self.num_heads, self.head_dim)
+        k = k.reshape(batch, seq, self.num_kv_heads, self.head_dim)
+        v = v.reshape(batch, seq, self.num_kv_heads, self.head_dim)
         # GQA without repeating K/V: query head n reads KV head n // (num_heads // num_kv_heads), which is what
         # diffusers' repeat_interleave of the KV heads computes.
         if implementation in ("int8", "int8_mosaic") and rotary is not None:
@@ -133,7 +150,7 @@ class Attention(nnx.Module):
             if rotary is not None:
                 q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
             out = attention(q, k, v, kv_lengths, implementation)
-        out = out.reshape(batch, seq, -1) * jax.nn.sigmoid(self.to_gate(x))
+        out = out.reshape(batch, seq, -1) * jax.nn.sigmoid(gate)
         return self.to_out[0](out)
 
 
@@ -142,9 +159,23 @@ class SwiGLU(nnx.Module):
         self.gate = Linear(dim, hidden_dim, bias=False, dtype=dtype, rngs=rngs)
         self.up = Linear(dim, hidden_dim, bias=False, dtype=dtype, rngs=rngs)
         self.down = Linear(hidden_dim, dim, bias=False, dtype=dtype, rngs=rngs)
+        self.gate_up = nnx.data(None)  # `stack_projections`: gate and up as one Linear (inference)
+
+    def stack_projections(self) -> bool:
+        """Replace gate and up by one Linear of their stacked weights (see `Attention.stack_projections`)."""
+        if self.gate_up is not None:
+            return False
+        stacked = stacked_linear([self.gate, self.up])
+        if stacked is not None:
+            self.gate_up, self.gate, self.up = stacked, None, None
+        return stacked is not None
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        return self.down(jax.nn.silu(self.gate(x)) * self.up(x))
+        if self.gate_up is not None:
+            gate, up = jnp.split(self.gate_up(x), 2, axis=-1)
+        else:
+            gate, up = self.gate(x), self.up(x)
+        return self.down(jax.nn.silu(gate) * up)
 
 
 class TextFusionBlock(nnx.Module):
@@ -256,6 +287,14 @@ class FinalLayer(nnx.Module):
 
 # --------------------------------------------------------------------------------------------------------------------
 # The model
+
+
+def stack_projections(model: nnx.Module) -> int:
+    """Stack the projections that share an input, in every attention (Q, K, V, gate) and SwiGLU (gate, up) of
+    `model`, into single products. For inference, after quantizing and after attaching or fusing LoRAs. Returns how
+    many modules were stacked."""
+    modules = [node for _, node in nnx.iter_graph(model) if isinstance(node, (Attention, SwiGLU))]
+    return sum(node.stack_projections() for node in modules)  # listed first: stacking changes the graph
 
 
 def _real_tokens_first(mask: jax.Array) -> tuple[jax.Array, jax.Array]:

@@ -107,6 +107,21 @@ def prepare_weight(w: jax.Array | QuantizedArray, fmt: str | None = None, *, bac
     return pack_mx_for_kernel(w)
 
 
+def concat_weights(weights: list[GemmWeight]) -> GemmWeight:
+    """Weights of one input stacked along their outputs (n): one GEMM for several projections of the same
+    activations (Q, K, V and the gate; SwiGLU's gate and up). Scales are per output channel, or per channel and K
+    block, so stacking is exact; MX folds made per `scale_rows` channels need each n to be a multiple of it."""
+    first = weights[0]
+    for w in weights:
+        if (w.fmt, w.layout, w.k, w.scale_rows) != (first.fmt, first.layout, first.k, first.scale_rows):
+            raise ValueError("concat_weights: weights differ in format, layout, K or fold rows")
+        if w.layout == "mx" or w.n % w.scale_rows:
+            raise ValueError(f"concat_weights: cannot stack a {w.layout} weight of {w.n} outputs")
+    axis = 1 if first.layout == "block" else 0  # block scales are (k / 128, n)
+    return GemmWeight(jnp.concatenate([w.data for w in weights]), jnp.concatenate([w.scale for w in weights], axis),
+                      None, first.fmt, first.layout, sum(w.n for w in weights), first.k, first.scale_rows)
+
+
 def _e8m0_exponents(scale: jax.Array) -> jax.Array:
     return jax.lax.bitcast_convert_type(scale, jnp.uint8).astype(jnp.int32) - 127
 

@@ -69,7 +69,7 @@ def jax_krea2_step(args) -> list[dict]:
     import jax.numpy as jnp
     from flax import nnx
 
-    from mxdit.model.krea2 import Krea2Transformer
+    from mxdit.model.krea2 import Krea2Transformer, stack_projections
     from mxdit.model.layers import PRECISIONS, quantize_linear_layers
     from mxdit.quant.model import krea2_rules
 
@@ -85,15 +85,16 @@ def jax_krea2_step(args) -> list[dict]:
     flops = _step_flops(cfg, hidden.shape[1], text.shape[1])
 
     results = []
-    base = model
-    for precision, attention in ((p, a) for p in args.precisions for a in args.jax_attention):
-        if precision == "bf16":
-            model = base
-        elif model is base or model.precision != precision:
-            # The blocks' matrices quantized from the bf16 weights, one at a time, into the GEMM kernels' form.
+    base, made = model, None
+    for precision, stacked, attention in ((p, s, a) for p in args.precisions for s in args.stacked
+                                          for a in args.jax_attention):
+        if made != (precision, stacked):
             model = nnx.clone(base)
-            quantize_linear_layers(model, krea2_rules(PRECISIONS[precision]), kernels=True)
-            model.precision = precision
+            if precision != "bf16":  # the blocks' matrices quantized, one at a time, into the GEMM kernels' form
+                quantize_linear_layers(model, krea2_rules(PRECISIONS[precision]), kernels=True)
+            if stacked:
+                stack_projections(model)
+            made = (precision, stacked)
         weights_gb = sum(x.nbytes for x in jax.tree.leaves(nnx.state(model))) / 1e9
         for masked in (True, False) if args.unmasked_too else (True,):
             model.attention = attention
@@ -119,7 +120,8 @@ def jax_krea2_step(args) -> list[dict]:
             for mode, call in variants.items():
                 if mode not in args.modes:
                     continue
-                row = {"name": f"jax {precision}, {attention} attention, {'masked' if masked else 'no mask'}, {mode}",
+                row = {"name": f"jax {precision}{' stacked' if stacked else ''}, {attention} attention, "
+                               f"{'masked' if masked else 'no mask'}, {mode}",
                        "weights_gb": weights_gb}
                 try:
                     t0 = time.perf_counter()
@@ -1123,6 +1125,8 @@ def main(argv=None) -> None:
         p.add_argument("--precisions", nargs="+", default=["bf16"],
                        choices=["bf16", "fp8", "mxfp8", "mxfp6", "mxfp4", "int8"],
                        help="the blocks' matrices in this format through the GEMM kernels (bf16: XLA's dots)")
+        p.add_argument("--stacked", nargs="+", type=lambda s: s == "yes", default=[False], metavar="{no,yes}",
+                       help="also (yes) or only with Q/K/V/gate and gate/up stacked into single products")
         p.add_argument("--unmasked-too", action="store_true", help="also time the step without a text mask")
         p.add_argument("--modes", nargs="+", default=["one jitted loop", "a dispatch per step"],
                        choices=["one jitted loop", "a dispatch per step"])

@@ -57,3 +57,37 @@ def test_bf16_precision_quantizes_nothing(tiny):
     model, _ = tiny
     assert PRECISIONS["bf16"] is None
     assert quantize_linear_layers(nnx.clone(model), krea2_rules(None), kernels=True) == []
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp8", "int8"])
+def test_stacked_projections_give_the_same_velocity(tiny, precision):
+    """Q, K, V and the gate (and SwiGLU's gate and up) as one product each: the same output, as the weights are
+    stacked exactly and the activations' per-token scales do not depend on the output columns."""
+    from mxdit.model.krea2 import stack_projections
+
+    model, inputs = tiny
+    separate = nnx.clone(model)
+    if precision != "bf16":
+        quantize_linear_layers(separate, krea2_rules(PRECISIONS[precision]), kernels=True)
+    stacked = nnx.clone(separate)
+    assert stack_projections(stacked) == (2 + 2 + 2) * 2  # attention and SwiGLU of every block
+    assert stacked.transformer_blocks[0].attn.to_q is None and stack_projections(stacked) == 0
+    out, expected = (np.asarray(jax.jit(lambda *a, m=m: m(*a))(*inputs)) for m in (stacked, separate))
+    assert relative_l2(out, expected) <= 1e-6
+
+
+@pytest.mark.parametrize("fmt", ["mxfp6_e2m3", "fp8_e4m3"])
+def test_concatenated_gemm_weights_multiply_as_the_separate_ones(fmt):
+    """MX weights folded per 128 x 128 tile stack when each output count is a multiple of 128 (Krea 2's 6144 and
+    1536), and refuse otherwise (the tiny models' 64)."""
+    from mxdit.pallas_kernels.gemm import concat_weights, prepare_weight, scaled_matmul
+
+    keys = jax.random.split(jax.random.key(5), 4)
+    x = jax.random.normal(keys[0], (8, 256))
+    ws = [prepare_weight(jax.random.normal(k, (n, 256)), fmt) for k, n in zip(keys[1:], (128, 256, 128))]
+    stacked = scaled_matmul(x, concat_weights(ws), backend="reference", out_dtype=jnp.float32)
+    separate = jnp.concatenate([scaled_matmul(x, w, backend="reference", out_dtype=jnp.float32) for w in ws], -1)
+    np.testing.assert_allclose(np.asarray(stacked), np.asarray(separate), rtol=1e-5, atol=1e-5)  # sum order only
+    if fmt.startswith("mx"):
+        with pytest.raises(ValueError, match="cannot stack"):
+            concat_weights([prepare_weight(jax.random.normal(keys[1], (64, 256)), fmt)] * 2)
