@@ -16,7 +16,7 @@ from mxdit.quant.gates import GateReport, evaluate
 from mxdit.quant.model import dequantize_model, format_for, krea2_rules, quantize_model, weight_bytes
 
 from .images import unit_range_to_uint8
-from .layers import Linear
+from .layers import Linear, quantize_linear_layers
 from .loading import iter_params, module_key
 from .pipeline_common import image_position_ids
 from .pipeline_krea2 import Krea2Pipeline
@@ -51,10 +51,12 @@ class QualityRow:
 
 def krea2_quality(pipe: Krea2Pipeline, formats: Sequence[str], prompts: Sequence[str], seeds: Sequence[int], *,
                   height: int, width: int, steps: int | None = None, max_sequence_length: int = 512,
-                  activations: bool = False) -> list[QualityRow]:
+                  activations: bool = False, kernels: bool = False) -> list[QualityRow]:
     """The seed-000-style table for a Krea 2 pipeline: per format, SSIM and PSNR of the decoded images against the
     unquantized ones (all prompts x seeds side by side), cosine etc. of the transformer's output on fixed inputs.
-    Weights only, or with `activations` also the inputs of the quantized layers (rows named `fmt W+A`)."""
+    Weights only, or with `activations` also the inputs of the quantized layers (rows named `fmt W+A`, the inputs
+    in the weights' format), or with `kernels` the inference path itself (rows `fmt GEMM`: `quantize_linear_layers`,
+    the GEMM kernels' numerics with activations per token in FP8, or INT8 for INT8 weights)."""
     kwargs = dict(height=height, width=width, num_inference_steps=steps, max_sequence_length=max_sequence_length,
                   output_type="np")
 
@@ -76,6 +78,10 @@ def krea2_quality(pipe: Krea2Pipeline, formats: Sequence[str], prompts: Sequence
         rules = krea2_rules(fmt)
         transformer = with_params(pipe.transformer, dequantize_model(quantize_model(params, rules), pipe.transformer.dtype))
         variants = [(fmt, transformer)] + ([(f"{fmt} W+A", quantize_activations(transformer, rules))] if activations else [])
+        if kernels:
+            gemm = nnx.clone(pipe.transformer)
+            quantize_linear_layers(gemm, rules, kernels=True)
+            variants.append((f"{fmt} GEMM", gemm))
         for name, model in variants:
             quantized = Krea2Pipeline(model, pipe.vae, pipe.text_encoder, pipe.tokenizer, pipe.config)
             report = evaluate(fmt, velocity(model), reference_velocity, images(quantized), reference_images)

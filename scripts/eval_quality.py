@@ -29,6 +29,8 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=int, default=None)
     parser.add_argument("--max-sequence-length", type=int, default=None)
     parser.add_argument("--activations", action="store_true", help="also rows with the layers' inputs quantized (W+A)")
+    parser.add_argument("--kernels", action="store_true",
+                        help="also rows through the inference path: the GEMM kernels' numerics (generate.py --precision)")
     args = parser.parse_args(argv)
 
     import jax.numpy as jnp
@@ -52,7 +54,7 @@ def main(argv=None) -> int:
     rows = krea2_quality(pipe, args.formats, args.prompt or ["a red fox in the snow, photo"], args.seeds,
                          height=size, width=size, steps=args.steps or (2 if args.demo else None),
                          max_sequence_length=args.max_sequence_length or (64 if args.demo else 512),
-                         activations=args.activations)
+                         activations=args.activations, kernels=args.kernels)
     print(format_table(rows))
     return 0
 

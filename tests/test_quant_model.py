@@ -117,11 +117,15 @@ def test_quality_table_on_the_demo_model(tmp_path):
 
     pipe = demo_pipeline(tmp_path / "tokenizer", dtype=jnp.float32)
     rows = krea2_quality(pipe, ["fp8_e4m3", "mxfp4_e2m1"], ["a red fox"], [0], height=32, width=32, steps=1,
-                         max_sequence_length=16, activations=True)
-    assert [r.fmt for r in rows] == ["reference", "fp8_e4m3", "fp8_e4m3 W+A", "mxfp4_e2m1", "mxfp4_e2m1 W+A"]
-    fp8, fp8_wa, fp4, fp4_wa = (r.report for r in rows[1:])
+                         max_sequence_length=16, activations=True, kernels=True)
+    assert [r.fmt for r in rows] == ["reference", "fp8_e4m3", "fp8_e4m3 W+A", "fp8_e4m3 GEMM", "mxfp4_e2m1",
+                                     "mxfp4_e2m1 W+A", "mxfp4_e2m1 GEMM"]
+    fp8, fp8_wa, fp8_gemm, fp4, fp4_wa, fp4_gemm = (r.report for r in rows[1:])
     assert 0.99 < fp4.cosine < fp8.cosine < 1.0 and fp8.nonfinite == 0
     assert fp8_wa.cosine < fp8.cosine and fp4_wa.cosine < fp4.cosine  # quantizing inputs too costs more
+    # The inference path quantizes inputs to FP8 per token: for FP8 weights the W+A simulation itself, for MXFP4
+    # weights less lossy than MXFP4 inputs.
+    assert abs(fp8_gemm.cosine - fp8_wa.cosine) < 1e-6 and fp4_wa.cosine < fp4_gemm.cosine < fp4.cosine
     assert 0 < fp4.ssim <= 1 and fp4.psnr > 0
-    assert rows[3].weight_bytes < rows[1].weight_bytes < rows[0].weight_bytes
+    assert rows[4].weight_bytes < rows[1].weight_bytes < rows[0].weight_bytes
     assert "mxfp4_e2m1 W+A" in format_table(rows)
