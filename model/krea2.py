@@ -366,6 +366,16 @@ class Krea2Transformer(nnx.Module):
         Returns:
             (batch, image_seq_len, in_channels) velocity, in the model dtype.
         """
+        x, temb, temb_mod, rotary, kv_lengths = self.embed(hidden_states, encoder_hidden_states, timestep, position_ids,
+                                                           encoder_attention_mask)
+        for block in self.transformer_blocks:
+            x = self.run_block(block, x, temb_mod, rotary, kv_lengths)
+        return self.finish(x, temb, hidden_states.shape[1])
+
+    def embed(self, hidden_states, encoder_hidden_states, timestep, position_ids, encoder_attention_mask=None):
+        """Everything before the joint blocks (arguments as `__call__`): the joint sequence x, the time embedding
+        and its modulation vector, the rotary tables and the number of valid keys. `__call__` is `embed`, then
+        `run_block` for each block, then `finish` (model/offload.py runs the three apart)."""
         if position_ids.ndim != 2 or position_ids.shape[-1] != 3:
             raise ValueError(f"position_ids must have shape (sequence_length, 3), got {tuple(position_ids.shape)}")
         batch, image_len, _ = hidden_states.shape
@@ -407,14 +417,19 @@ class Krea2Transformer(nnx.Module):
         batched = ("batch",) if positions.ndim == 3 else ()
         positions = shard_activation(shard_activation(positions, *batched, None, None), *batched, "sequence", None)
         rotary = rotary_tables(positions, self.config.axes_dims_rope, self.config.rope_theta)
+        return x, temb, temb_mod, rotary, joint_kv_lengths
+
+    def run_block(self, block: "TransformerBlock", x, temb_mod, rotary, kv_lengths) -> jax.Array:
+        """One joint block, as `__call__` runs each (rematerialized when training asks for it)."""
         joint_attention = self.attention if self.joint_attention is None else self.joint_attention
-        for block in self.transformer_blocks:
-            x = remat_call(block, self.remat_policy, x, temb_mod, rotary, joint_kv_lengths,
-                           implementation=joint_attention)
-            x = shard_activation(x, "batch", "sequence", None)
-        # The final layer acts per token: applied before the slice, it keeps a split sequence split up to the small
-        # (batch, seq, in_channels) output.
+        x = remat_call(block, self.remat_policy, x, temb_mod, rotary, kv_lengths, implementation=joint_attention)
+        return shard_activation(x, "batch", "sequence", None)
+
+    def finish(self, x: jax.Array, temb: jax.Array, image_len: int) -> jax.Array:
+        """The final layer and the image rows. It acts per token: applied before the slice, it keeps a split
+        sequence split up to the small (batch, seq, in_channels) output."""
         return self.final_layer(x, temb)[:, :image_len]
+
 
     def _text_stage(self, states: jax.Array, kv_lengths: jax.Array | None) -> jax.Array:
         return self.txt_in(self.text_fusion(states, kv_lengths, self.attention))

@@ -149,6 +149,94 @@ def jax_krea2_step(args) -> list[dict]:
     return results
 
 
+def jax_krea2_offload(args) -> list[dict]:
+    """The full-size Krea 2 step (bf16, random weights) with weight streaming (`model/offload.py`): the first
+    `--resident` blocks on the device, the others in pinned host memory, copied `--prefetch` blocks ahead. The
+    weights are made block by block, streamed blocks straight into host memory, so the device never holds more
+    than the run keeps (the parent caps its memory). Timed over `iters` steps dispatched back to back."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from mxdit.model.krea2 import Krea2Transformer
+    from mxdit.model.offload import StreamedKrea2
+
+    cfg = _config(args)
+    device = jax.devices()[0]
+    resident = cfg.num_layers if args.resident == "all" else int(args.resident)
+    t0 = time.perf_counter()
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: Krea2Transformer(cfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))))
+    host = jax.sharding.SingleDeviceSharding(device, memory_kind="pinned_host")
+    flat = nnx.to_flat_state(state)
+    for i, (path, variable) in enumerate(flat):
+        value = variable.get_value()
+        array = (jax.random.normal(jax.random.key(i), value.shape, jnp.float32) * 0.02).astype(value.dtype)
+        if path[0] == "transformer_blocks" and int(path[1]) >= resident:
+            array = jax.device_put(array, host)
+        variable.set_value(array)
+    model = nnx.merge(graphdef, nnx.from_flat_state(flat))
+    streamed = StreamedKrea2(model, resident=resident, prefetch=args.prefetch)
+    del model, flat, state
+    init_s = time.perf_counter() - t0
+    hidden, text, timestep, position_ids, mask = (jnp.asarray(a) for a in _krea2_inputs(
+        cfg, args.height, args.width, args.text_len, args.valid_text))
+    hidden, text = hidden.astype(jnp.bfloat16), text.astype(jnp.bfloat16)
+    flops = _step_flops(cfg, hidden.shape[1], text.shape[1])
+    row = {"name": f"jax bf16, {resident} of {cfg.num_layers} blocks resident, prefetch {args.prefetch}",
+           "init_s": init_s}
+    try:
+        def steps(n):
+            x = hidden
+            for _ in range(n):
+                x = (x + 1e-3 * streamed(x, text, timestep, position_ids, mask)).astype(x.dtype)
+            return jax.block_until_ready(x)
+
+        t0 = time.perf_counter()
+        steps(1)
+        row["compile_s"] = time.perf_counter() - t0
+        times = []
+        for _ in range(args.repeats):
+            t0 = time.perf_counter()
+            steps(args.iters)
+            times.append((time.perf_counter() - t0) / args.iters)
+        row.update(s_per_step=statistics.median(times), tflops=flops / statistics.median(times) / 1e12)
+    except Exception as e:
+        row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
+    stats = device.memory_stats() or {}
+    row["peak_gb"] = stats.get("peak_bytes_in_use", 0) / 1e9
+    row["limit_gb"] = stats.get("bytes_limit", 0) / 1e9
+    print(json.dumps(row), flush=True)
+    return [row]
+
+
+def krea2_offload(args) -> None:
+    """One process per --resident, its device memory capped to --device-memory-gb (the BFC allocator's pool), and
+    one uncapped with every block resident: the exposed transfer wait is a run's time minus that one's."""
+    import subprocess as sp
+
+    total = float(sp.run(["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
+                         capture_output=True, text=True, check=True).stdout.split()[0]) / 1024  # GiB
+    forwarded = ["--height", str(args.height), "--width", str(args.width), "--text-len", str(args.text_len),
+                 "--valid-text", str(args.valid_text), "--iters", str(args.iters), "--repeats", str(args.repeats),
+                 "--prefetch", str(args.prefetch)] + (["--num-layers", str(args.num_layers)] if args.num_layers else [])
+    rows = _subprocess_rows(args, "krea2-offload-jax", forwarded + ["--resident", "all"])
+    fraction = f"{args.device_memory_gb * 1e9 / 2**30 / total:.3f}"
+    for resident in args.resident:
+        rows += _subprocess_rows(args, "krea2-offload-jax", forwarded + ["--resident", resident],
+                                 env={"XLA_PYTHON_CLIENT_MEM_FRACTION": fraction})
+    base = rows[0].get("s_per_step")  # every block resident, uncapped
+    print(f"\nKrea 2 step with weight streaming, {args.height}x{args.width}; capped runs: {args.device_memory_gb} GB")
+    print(f"{'implementation':<58} {'s/step':>8} {'exposed wait':>13} {'peak GB':>8} {'limit GB':>9}")
+    for r in rows:
+        if "error" in r or "s_per_step" not in r:
+            print(f"{r.get('name', '?'):<58} error: {r.get('error')}")
+            continue
+        wait = f"{(r['s_per_step'] - base) / r['s_per_step']:12.1%}" if base else f"{'':>12}"
+        print(f"{r['name']:<58} {r['s_per_step']:8.4f} {wait:>13} {r['peak_gb']:8.1f} {r['limit_gb']:9.1f}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
+
+
 def _dispatch_loop(step, state, x, text, timestep, n):
     """n steps, one jitted call each, without waiting in between (as the pipeline's loop runs)."""
     for i in range(n):
@@ -329,9 +417,11 @@ def vae_decode(args) -> None:
         Path(args.json).write_text(json.dumps(rows, indent=1))
 
 
-def _subprocess_rows(args, command: str, forwarded: list[str]) -> list[dict]:
-    """Run part of a benchmark in a subprocess (so frameworks and models never share GPU memory); its result rows."""
-    proc = subprocess.run([sys.executable, __file__, command, *forwarded], capture_output=True, text=True, env=os.environ)
+def _subprocess_rows(args, command: str, forwarded: list[str], env: dict | None = None) -> list[dict]:
+    """Run part of a benchmark in a subprocess (so frameworks and models never share GPU memory); its result rows.
+    `env`: variables added to the subprocess's environment."""
+    proc = subprocess.run([sys.executable, __file__, command, *forwarded], capture_output=True, text=True,
+                          env={**os.environ, **(env or {})})
     rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     if args.json:
         with Path(args.json).with_suffix(f".{command}.log").open("a") as log:
@@ -1215,8 +1305,25 @@ def main(argv=None) -> None:
                            choices=["none", "block", "dots", "dots_all"], help="one process per policy")
         else:
             p.add_argument("--remat", default="none", choices=["none", "block", "dots", "dots_all"])
+    for name in ("krea2-offload", "krea2-offload-jax"):
+        p = sub.add_parser(name)
+        p.add_argument("--height", type=int, default=1024)
+        p.add_argument("--width", type=int, default=1024)
+        p.add_argument("--text-len", type=int, default=512)
+        p.add_argument("--valid-text", type=int, default=120)
+        p.add_argument("--num-layers", type=int, default=None)
+        p.add_argument("--prefetch", type=int, default=2)
+        p.add_argument("--iters", type=int, default=5)
+        p.add_argument("--repeats", type=int, default=3)
+        p.add_argument("--json", default=None)
+        if name == "krea2-offload":
+            p.add_argument("--resident", nargs="+", default=["16", "20"], help="blocks kept on the device, per run")
+            p.add_argument("--device-memory-gb", type=float, default=24.0)
+        else:
+            p.add_argument("--resident", default="all")
     args = parser.parse_args(argv)
     commands = {
+        "krea2-offload": krea2_offload, "krea2-offload-jax": jax_krea2_offload,
         "krea2-step": krea2_step, "krea2-step-diffusers": diffusers_krea2_step,
         "krea2-pipeline": krea2_pipeline, "krea2-pipeline-diffusers": diffusers_krea2_pipeline,
         "krea2-pipeline-jax": jax_krea2_pipeline,
