@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -33,11 +35,10 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, kv_lengths: jax.Array | 
     if callable(implementation):
         return implementation(q, k, v, kv_lengths)
     if implementation in _INT8_BACKENDS:
-        from mxdit.pallas_kernels.attention import int8_attention  # kernels by name: model/'s one way to them
-
         # Off the GPU the Pallas kernel runs in interpret mode (tests).
-        return int8_attention(q, k, v, kv_lengths=kv_lengths, interpret=jax.default_backend() != "gpu",
-                              out_dtype=q.dtype, **_int8_options(implementation))
+        return _jitted_kernel("int8_attention")(q, k, v, kv_lengths=kv_lengths,
+                                                interpret=jax.default_backend() != "gpu", out_dtype=q.dtype,
+                                                **_int8_options(implementation))
     return jax.nn.dot_product_attention(q, k, v, key_value_seq_lengths=kv_lengths, implementation=implementation)
 
 
@@ -52,11 +53,9 @@ def int8_attention_from_projections(q, k, v, norm_q: jax.Array, norm_k: jax.Arra
     """An INT8 kernel ("int8" or "int8_mosaic") with its fused prologue: q and k straight from their projections;
     the per-head RMSNorm (weights `norm_q`, `norm_k`, zero-centred scale), the rotary embedding and the INT8
     quantization run in one pass (pallas_kernels/attention.py). Shapes as `attention`; returns q's dtype."""
-    from mxdit.pallas_kernels.attention import int8_attention_fused
-
-    return int8_attention_fused(q, k, v, norm_q, norm_k, eps, *rotary, kv_lengths=kv_lengths,
-                                interpret=jax.default_backend() != "gpu", out_dtype=q.dtype,
-                                **_int8_options(implementation))
+    return _jitted_kernel("int8_attention_fused")(q, k, v, norm_q, norm_k, eps, *rotary, kv_lengths=kv_lengths,
+                                                  interpret=jax.default_backend() != "gpu", out_dtype=q.dtype,
+                                                  **_int8_options(implementation))
 
 
 def remat_call(block: nnx.Module, policy, *args, implementation):
@@ -170,13 +169,32 @@ def gemm_backend(weight) -> str:
     return "triton" if weight.layout == "mx" or FORMATS[weight.fmt].kind == "int8" else "mosaic"
 
 
+@functools.cache
+def _jitted_kernel(name: str):
+    """A Pallas kernel entry point under its own `jax.jit`: inside a model's program every call of one shape then
+    lowers to one shared function, so each kernel is compiled once, not once per layer (196 GEMM calls in a Krea 2
+    step: the difference between seconds and minutes of compilation)."""
+    from mxdit.pallas_kernels import attention as attention_kernels
+    from mxdit.pallas_kernels import gemm
+
+    function, static = {
+        "scaled_matmul": (gemm.scaled_matmul, ("x_scaling", "activation", "out_dtype", "backend", "config",
+                                               "interpret")),
+        "int8_attention": (attention_kernels.int8_attention, ("pv", "block_q", "block_k", "scale", "interpret",
+                                                              "num_warps", "num_stages", "backend", "out_dtype")),
+        "int8_attention_fused": (attention_kernels.int8_attention_fused, (
+            "eps", "pv", "block_q", "block_k", "scale", "interpret", "num_warps", "num_stages", "backend",
+            "out_dtype")),
+    }[name]
+    return jax.jit(function, static_argnames=static)
+
+
 def _kernel_matmul(x: jax.Array, weight, bias: jax.Array | None) -> jax.Array:
     """x (..., k) @ weight^T through `pallas_kernels.gemm.scaled_matmul` (activations quantized per token on the
     fly), in x's dtype."""
-    from mxdit.pallas_kernels.gemm import scaled_matmul
-
     lead = x.shape[:-1]
-    y = scaled_matmul(x.reshape(-1, x.shape[-1]), weight, bias=bias, out_dtype=x.dtype, backend=gemm_backend(weight))
+    y = _jitted_kernel("scaled_matmul")(x.reshape(-1, x.shape[-1]), weight, bias=bias, out_dtype=x.dtype,
+                                        backend=gemm_backend(weight))
     return y.reshape(*lead, weight.n)
 
 

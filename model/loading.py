@@ -8,6 +8,8 @@ the whole model. Problems are reported all at once, naming the file and key.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import json
 import typing
@@ -245,6 +247,23 @@ def module_key(path: tuple[Any, ...]) -> str:
 Convert = Callable[[str, tuple[int, ...]], "tuple[tuple[int, ...], Callable[[np.ndarray], np.ndarray]] | None"]
 
 
+# Where loaded parameters live: fn(module key, device array) -> the array to keep (another memory, another device).
+_PLACEMENT: contextvars.ContextVar[Callable[[str, jax.Array], jax.Array] | None] = contextvars.ContextVar(
+    "parameter_placement", default=None)
+
+
+@contextlib.contextmanager
+def place_parameters(place: Callable[[str, jax.Array], jax.Array]):
+    """While active, every parameter `load_state` reads goes through `place(module_key, array)` as it arrives, one
+    tensor at a time: model/offload.py sends the streamed blocks straight to host memory, so a model larger than
+    the device loads at all."""
+    token = _PLACEMENT.set(place)
+    try:
+        yield
+    finally:
+        _PLACEMENT.reset(token)
+
+
 def load_state(
     build: Callable[[], nnx.Module],
     checkpoint: SafetensorsCheckpoint,
@@ -304,6 +323,8 @@ def load_state(
         want = variable.get_value()
         if value.dtype != want.dtype:
             value = value.astype(want.dtype)
+        if (place := _PLACEMENT.get()) is not None:
+            value = place(name, value)
         variable.set_value(value)
         del array
     return nnx.merge(graphdef, nnx.from_flat_state(flat))

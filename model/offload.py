@@ -11,10 +11,14 @@ the device then waits for per step (the "exposed" transfer time) is the streamed
 
 from __future__ import annotations
 
+import copy
+
 import jax
+import jax.numpy as jnp
 from flax import nnx
 
 from .krea2 import Krea2Transformer
+from .pipeline_krea2 import Krea2Pipeline, guided_euler_step
 
 
 class StreamedKrea2:
@@ -43,7 +47,8 @@ class StreamedKrea2:
         rest = nnx.merge(*nnx.split(model))
         rest.transformer_blocks = nnx.List([])
         self.rest_graph, self.rest_state = nnx.split(rest)
-        self.config = model.config
+        self.rest_model = rest  # what the pipeline keeps of the transformer (its text stage runs once per prompt)
+        self.config, self.dtype = model.config, model.dtype
 
         @jax.jit
         def embed(state, *args):
@@ -81,3 +86,36 @@ class StreamedKrea2:
             state = copies.pop(i) if i >= self.resident else self.block_states[i]
             x = self._block(self.rest_state, state, x, temb_mod, rotary, kv_lengths)
         return self._finish(self.rest_state, x, temb, hidden_states.shape[1])
+
+    def denoise_step(self, latents, embeds, mask, ids, t, sigma, sigma_next, guidance, cfg: bool):
+        """`pipeline_krea2.denoise_step` on the streamed transformer (the pipeline's `denoise_step_fn`)."""
+        x = jnp.concatenate([latents, latents]) if cfg else latents
+        velocity = self(x.astype(self.dtype), embeds, jnp.full((x.shape[0],), t, jnp.float32), ids, mask)
+        return _guided_euler(latents, velocity, sigma, sigma_next, guidance, cfg)
+
+
+_guided_euler = jax.jit(guided_euler_step, static_argnums=5)
+
+
+def streamed_block_placement(resident: int):
+    """For `loading.place_parameters`: the weights of joint blocks `resident`, `resident + 1`, ... to pinned host
+    memory as they are read, so the transformer loads on a device smaller than it."""
+    host = jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind="pinned_host")
+
+    def place(key: str, value: jax.Array) -> jax.Array:
+        parts = key.split(".")
+        if parts[0] == "transformer_blocks" and int(parts[1]) >= resident:
+            return jax.device_put(value, host)
+        return value
+
+    return place
+
+
+def offload_krea2_pipeline(pipe: Krea2Pipeline, *, resident: int, prefetch: int = 2) -> Krea2Pipeline:
+    """A copy of `pipe` whose denoising streams the joint blocks after the first `resident` from host memory
+    (`StreamedKrea2`). `pipe` should not be used afterwards: its transformer was taken apart."""
+    streamed = StreamedKrea2(pipe.transformer, resident=resident, prefetch=prefetch)
+    out = copy.copy(pipe)
+    out.transformer = streamed.rest_model
+    out.denoise_step_fn = streamed.denoise_step
+    return out

@@ -228,10 +228,16 @@ def denoise_step(model: Krea2Transformer, latents, embeds, mask, ids, t, sigma, 
     text_dim) tapped text states, or what `Krea2Transformer.fuse_text` made of them (the pipeline's: computed once per
     prompt); mask: (same batch, text_len) bool; ids: (text_len + image_len, 3); t, sigma, sigma_next, guidance:
     float32 scalars. Returns the next latents, (batch, image_len, in_channels) float32."""
-    batch = latents.shape[0]
     x = jnp.concatenate([latents, latents]) if cfg else latents
     velocity = model(x.astype(model.dtype), embeds, jnp.full((x.shape[0],), t, jnp.float32), ids, mask)
+    return guided_euler_step(latents, velocity, sigma, sigma_next, guidance, cfg)
+
+
+def guided_euler_step(latents, velocity, sigma, sigma_next, guidance, cfg: bool):
+    """The Euler step from the transformer's velocity; with CFG the velocity holds [conditional; unconditional]
+    and is combined first."""
     if cfg:
+        batch = latents.shape[0]
         cond, uncond = velocity[:batch], velocity[batch:]
         velocity = cond + guidance.astype(cond.dtype) * (cond - uncond)
     return euler_step(latents, velocity, sigma, sigma_next)

@@ -51,6 +51,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--attention", choices=["cudnn", "xla", "int8", "int8_mosaic"], default=None,
                         help="the attention kernel (default cuDNN on a GPU, XLA elsewhere; int8: INT8-QK, Triton "
                              "lowering; int8_mosaic: INT8-QK, Hopper)")
+    parser.add_argument("--offload", type=int, default=None, metavar="RESIDENT",
+                        help="Krea 2 on a GPU smaller than the model: keep RESIDENT joint blocks on the device and "
+                             "stream the others from host memory, loaded straight there (bf16 weights)")
     parser.add_argument("--compile-cache", type=Path, default=Path.home() / ".cache" / "mxdit" / "jax",
                         help="JAX's persistent compilation cache, so that a second run starts fast ('' : off)")
     parser.add_argument("--tiled-decode", action="store_true", help="decode the VAE in tiles (large images)")
@@ -101,6 +104,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     check_device_arguments(parser, args)
     if args.mesh is not None and args.precision != "bf16":
         parser.error(f"--precision {args.precision} with --mesh: sharded runs take bf16 weights for now")
+    if args.offload is not None:
+        if args.offload < 0:
+            parser.error(f"--offload {args.offload}: the number of resident blocks must be >= 0")
+        for given, name in ((args.mesh is not None, "--mesh"), (args.precision != "bf16", "--precision"),
+                            (args.fuse_lora, "--fuse-lora")):
+            if given:
+                parser.error(f"--offload with {name}: not supported together yet")
     args.dtype = args.dtype or ("fp32" if args.demo else "bf16")
     return args
 
@@ -143,6 +153,12 @@ def main(argv=None) -> int:
         if args.demo:
             pipe = demo_pipeline(Path(tempfile.mkdtemp(prefix="mxdit-demo-tokenizer-")), seed=0, dtype=dtype)
             print("mxdit demo: tiny Krea 2-shaped model with RANDOM weights -- the image is noise, not a picture.")
+        elif args.offload is not None:  # the streamed blocks go straight to host memory as they are read
+            from mxdit.model.loading import place_parameters
+            from mxdit.model.offload import streamed_block_placement
+
+            with place_parameters(streamed_block_placement(args.offload)):
+                pipe = load_pipeline(args.model, dtype=dtype)
         else:
             pipe = load_pipeline(args.model, dtype=dtype)
         if args.attention:
@@ -159,6 +175,12 @@ def main(argv=None) -> int:
 
             rules = (flux_rules if isinstance(pipe, FluxPipeline) else krea2_rules)(PRECISIONS[args.precision])
             quantize_linear_layers(pipe.transformer, rules, kernels=True)
+        if args.offload is not None:
+            if isinstance(pipe, FluxPipeline):
+                raise ValueError("--offload: weight streaming covers Krea 2 for now")
+            from mxdit.model.offload import offload_krea2_pipeline
+
+            pipe = offload_krea2_pipeline(pipe, resident=min(args.offload, pipe.transformer.config.num_layers))
         if mesh is not None:
             if isinstance(pipe, FluxPipeline):
                 raise ValueError("--mesh: FLUX.1 runs on one device for now (sharding covers Krea 2)")

@@ -126,3 +126,15 @@ def test_precision_runs_the_gemm_path_and_the_compile_cache_fills(tmp_path, caps
     code, captured = run(["--demo", "--prompt", "a red fox", "--precision", "mxfp4", "--mesh", "data=1",
                           "--output", str(tmp_path / "m.png")], capsys)
     assert code == 2 and "--precision mxfp4 with --mesh" in captured.err
+
+
+def test_offload_streams_blocks_and_refuses_what_it_does_not_cover(tmp_path, capsys):
+    out = tmp_path / "o.png"
+    code, captured = run(["--model", str(FIXTURES / "krea2" / "tiny_pipeline"), "--prompt", "a cat", "--height", "64",
+                          "--width", "64", "--steps", "1", "--dtype", "fp32", "--max-sequence-length", "16",
+                          "--offload", "1", "--output", str(out)], capsys)
+    assert code == 0, captured.err
+    assert out.is_file()
+    code, captured = run(["--demo", "--prompt", "a cat", "--offload", "1", "--precision", "fp8",
+                          "--output", str(tmp_path / "x.png")], capsys)
+    assert code == 2 and "--offload with --precision" in captured.err

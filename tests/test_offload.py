@@ -37,3 +37,28 @@ def test_bad_streaming_arguments_are_named(tiny_and_inputs):
         StreamedKrea2(model, resident=3)
     with pytest.raises(ValueError, match="prefetch must be at least 1"):
         StreamedKrea2(model, resident=0, prefetch=0)
+
+
+def test_offloaded_pipeline_makes_the_same_image(tmp_path):
+    """The pipeline with its joint blocks streamed (`offload_krea2_pipeline`) gives the unstreamed latents."""
+    from mxdit.model.offload import offload_krea2_pipeline
+    from mxdit.model.pipeline_krea2 import demo_pipeline
+
+    kwargs = dict(height=64, width=64, num_inference_steps=2, seed=3, max_sequence_length=16, output_type="latent")
+    pipe = demo_pipeline(tmp_path / "tok", dtype=jnp.float32)
+    expected = pipe("a red fox", **kwargs).latents
+    streamed = offload_krea2_pipeline(demo_pipeline(tmp_path / "tok2", dtype=jnp.float32), resident=1)
+    np.testing.assert_allclose(streamed("a red fox", **kwargs).latents, expected, rtol=0, atol=1e-5)
+
+
+def test_loading_places_streamed_blocks_in_host_memory():
+    """`place_parameters` + `streamed_block_placement`: blocks from `resident` on are in pinned host memory as they
+    load, the rest on the device."""
+    from mxdit.model.loading import place_parameters
+    from mxdit.model.offload import streamed_block_placement
+
+    with place_parameters(streamed_block_placement(1)):
+        model = Krea2Transformer.from_pretrained(FIXTURES / "krea2" / "tiny", jnp.float32)
+    kind = lambda module: {x.sharding.memory_kind for x in jax.tree.leaves(nnx.state(module))}
+    assert kind(model.transformer_blocks[0]) == {"device"} and kind(model.transformer_blocks[1]) == {"pinned_host"}
+    assert kind(model.img_in) == {"device"}
