@@ -35,11 +35,19 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, kv_lengths: jax.Array | 
     if callable(implementation):
         return implementation(q, k, v, kv_lengths)
     if implementation in _INT8_BACKENDS:
-        # Off the GPU the Pallas kernel runs in interpret mode (tests).
-        return _jitted_kernel("int8_attention")(q, k, v, kv_lengths=kv_lengths,
-                                                interpret=jax.default_backend() != "gpu", out_dtype=q.dtype,
-                                                **_int8_options(implementation))
+        return _int8_kernel("int8_attention")(q, k, v, kv_lengths=kv_lengths, out_dtype=q.dtype,
+                                              **_int8_options(implementation))
     return jax.nn.dot_product_attention(q, k, v, key_value_seq_lengths=kv_lengths, implementation=implementation)
+
+
+def _int8_kernel(name: str):
+    """An INT8 attention entry point: on the GPU under its own jit (see `_jitted_kernel`); elsewhere in interpret mode
+    (tests), called directly: under that jit the Mosaic GPU interpreter did not finish (minutes at idle CPU)."""
+    if jax.default_backend() == "gpu":
+        return functools.partial(_jitted_kernel(name), interpret=False)
+    from mxdit.pallas_kernels import attention as attention_kernels
+
+    return functools.partial(getattr(attention_kernels, name), interpret=True)
 
 
 def _int8_options(implementation: str) -> dict:
@@ -53,9 +61,8 @@ def int8_attention_from_projections(q, k, v, norm_q: jax.Array, norm_k: jax.Arra
     """An INT8 kernel ("int8" or "int8_mosaic") with its fused prologue: q and k straight from their projections;
     the per-head RMSNorm (weights `norm_q`, `norm_k`, zero-centred scale), the rotary embedding and the INT8
     quantization run in one pass (pallas_kernels/attention.py). Shapes as `attention`; returns q's dtype."""
-    return _jitted_kernel("int8_attention_fused")(q, k, v, norm_q, norm_k, eps, *rotary, kv_lengths=kv_lengths,
-                                                  interpret=jax.default_backend() != "gpu", out_dtype=q.dtype,
-                                                  **_int8_options(implementation))
+    return _int8_kernel("int8_attention_fused")(q, k, v, norm_q, norm_k, eps, *rotary, kv_lengths=kv_lengths,
+                                                out_dtype=q.dtype, **_int8_options(implementation))
 
 
 def remat_call(block: nnx.Module, policy, *args, implementation):

@@ -272,13 +272,6 @@ def _int32_to_float32(x: jax.Array) -> jax.Array:
     return jax.lax.bitcast_convert_type(x + _MAGIC, jnp.float32) - 12582912.0
 
 
-def _bf16_by_bits(x: jax.Array) -> jax.Array:
-    """float32 -> bfloat16 (round half up, for x >= 0) with integer operations: the conversion instruction shares
-    the rate of exp2 (16 a clock per SM) on Hopper."""
-    bits = jax.lax.bitcast_convert_type(x, jnp.int32) + 0x8000
-    return jax.lax.bitcast_convert_type(jax.lax.shift_right_logical(bits, 16).astype(jnp.int16), jnp.bfloat16)
-
-
 def compute_registers(compute_wgs: int, memory_registers: int = 40) -> int:
     """The registers a thread of each compute warpgroup can take with `setmaxnreg` when the memory warpgroup keeps
     `memory_registers`: the SM has 65536, and the count must be a multiple of 8. Asking for more does not fail; the
@@ -289,8 +282,7 @@ def compute_registers(compute_wgs: int, memory_registers: int = 40) -> int:
 
 
 def _int8_attention_mosaic(qi, qs, ki, ks, v32, kv_lengths, *, pv, block_k, num_stages, p_in_smem=None,
-                           interpret=False, lower_only=False, out_dtype=jnp.float32, p_bits=False,
-                           memory_registers=40):
+                           interpret=False, lower_only=False, out_dtype=jnp.float32):
     """The Mosaic GPU kernel on quantized Q (per 64 rows) and K (per `block_k` keys), (batch, seq, heads, dim) int8
     with scales (batch, seq blocks, heads), and V (batch, kv_len, kv_heads, dim) float32 with masked keys zeroed.
     Returns `out_dtype` (batch, q_len, heads, dim).
@@ -368,7 +360,7 @@ def _int8_attention_mosaic(qi, qs, ki, ks, v32, kv_lengths, *, pv, block_k, num_
 
         @pl.when(wg < 2)
         def _compute():
-            plgpu.set_max_registers(compute_registers(2, memory_registers), action="increase")
+            plgpu.set_max_registers(compute_registers(2), action="increase")
             row0 = q_block * (2 * rows) + wg * rows
             plgpu.copy_gmem_to_smem(q_gmem.at[batch, pl.ds(row0, rows), head], q_smem.at[wg], q_full.at[wg])
             q_scale = qs_gmem[batch, head, q_block * 2 + wg] * log2e  # logits in base 2: exp2 below
@@ -383,6 +375,24 @@ def _int8_attention_mosaic(qi, qs, ki, ks, v32, kv_lengths, *, pv, block_k, num_
 
             pl.when(wg == 1)(schedule_barrier)
 
+            def softmax(s, j, m, l, masked):
+                """Block j's int32 logits -> (P in the P.V dtype, running max, running sum, rescale factor)."""
+                s = _int32_to_float32(s)
+                if masked:
+                    cols = plgpu.broadcasted_iota(jnp.int32, (rows, block_k), 1, layout=wgmma_layout)
+                    s = jnp.where(cols < length - j * block_k, s, -jnp.inf)
+                # The block's dequantization scale (> 0) folds into the exponent's multiply-add.
+                c = q_scale * ks_gmem[batch, kv_head, j]
+                m_new = jnp.maximum(m, s.max(axis=1) * c)
+                alpha = jnp.exp2(m - m_new)
+                p = jnp.exp2(s * c - lax.broadcast_in_dim(m_new, s.shape, [0]))
+                l = l * alpha + p.sum(axis=1)
+                if pv == "fp8":
+                    p = (p * 448.0).astype(p_dtype)
+                else:
+                    p = p.astype(p_dtype)
+                return p, m_new, l, alpha
+
             def step(j, carry, masked):
                 acc, m, l = carry
                 slot = lax.rem(j, stages)
@@ -394,22 +404,8 @@ def _int8_attention_mosaic(qi, qs, ki, ks, v32, kv_lengths, *, pv, block_k, num_
 
                 s = pl.run_scoped(qk, plgpu.ACC((rows, block_k), jnp.int32))
                 plgpu.barrier_arrive(k_free.at[slot])
-                s = _int32_to_float32(s)
-                if masked:
-                    cols = plgpu.broadcasted_iota(jnp.int32, (rows, block_k), 1, layout=wgmma_layout)
-                    s = jnp.where(cols < length - j * block_k, s, -jnp.inf)
-                # The block's dequantization scale (> 0) folds into the exponent's multiply-add.
-                c = q_scale * ks_gmem[batch, kv_head, j]
-                m_new = jnp.maximum(m, s.max(axis=1) * c)
-                alpha = jnp.exp2(m - m_new)
-                m = m_new
-                p = jnp.exp2(s * c - lax.broadcast_in_dim(m, s.shape, [0]))
-                l = l * alpha + p.sum(axis=1)
+                p, m, l, alpha = softmax(s, j, m, l, masked)
                 acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-                if pv == "fp8":
-                    p = (p * 448.0).astype(p_dtype)
-                else:
-                    p = _bf16_by_bits(p) if p_bits else p.astype(p_dtype)
                 if p_in_smem:
                     p_smem.at[wg][...] = p
                     plgpu.commit_smem()  # visible to wgmma's (async proxy) reads
@@ -459,7 +455,7 @@ def _int8_attention_mosaic(qi, qs, ki, ks, v32, kv_lengths, *, pv, block_k, num_
 
         @pl.when(wg == 2)
         def _memory():
-            plgpu.set_max_registers(memory_registers, action="decrease")
+            plgpu.set_max_registers(40, action="decrease")
 
             def v_slice(j):
                 if pv == "fp8":
