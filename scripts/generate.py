@@ -175,6 +175,10 @@ def main(argv=None) -> int:
 
             rules = (flux_rules if isinstance(pipe, FluxPipeline) else krea2_rules)(PRECISIONS[args.precision])
             quantize_linear_layers(pipe.transformer, rules, kernels=True)
+        if not isinstance(pipe, FluxPipeline) and mesh is None:
+            from mxdit.model.krea2 import stack_projections
+
+            stack_projections(pipe.transformer)  # Q/K/V/gate and gate/up as one product each (not with run-time LoRAs)
         if args.offload is not None:
             if isinstance(pipe, FluxPipeline):
                 raise ValueError("--offload: weight streaming covers Krea 2 for now")
