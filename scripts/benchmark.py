@@ -64,6 +64,21 @@ def _step_flops(cfg, image_len: int, text_len: int) -> float:
     return cfg.num_layers * (seq * per_token + attention)
 
 
+def _timed(run, iters: int, repeats: int) -> dict:
+    """`run(n)` runs n steps and waits for them: the first call of one step (compilation included) as compile_s, then
+    the median seconds a step over `repeats` runs of `iters` steps, and their spread."""
+    t0 = time.perf_counter()
+    run(1)
+    compile_s = time.perf_counter() - t0
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        run(iters)
+        times.append((time.perf_counter() - t0) / iters)
+    median = statistics.median(times)
+    return {"compile_s": compile_s, "s_per_step": median, "spread": (max(times) - min(times)) / median}
+
+
 def jax_krea2_step(args) -> list[dict]:
     import jax
     import jax.numpy as jnp
@@ -191,15 +206,8 @@ def jax_krea2_offload(args) -> list[dict]:
                 x = (x + 1e-3 * streamed(x, text, timestep, position_ids, mask)).astype(x.dtype)
             return jax.block_until_ready(x)
 
-        t0 = time.perf_counter()
-        steps(1)
-        row["compile_s"] = time.perf_counter() - t0
-        times = []
-        for _ in range(args.repeats):
-            t0 = time.perf_counter()
-            steps(args.iters)
-            times.append((time.perf_counter() - t0) / args.iters)
-        row.update(s_per_step=statistics.median(times), tflops=flops / statistics.median(times) / 1e12)
+        row.update(_timed(steps, args.iters, args.repeats))
+        row["tflops"] = flops / row["s_per_step"] / 1e12
     except Exception as e:
         row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
     stats = device.memory_stats() or {}
@@ -1144,15 +1152,7 @@ def krea2_sharded_step(args) -> None:
                              jnp.float32(0.999), jnp.float32(4.5), args.guidance)
                 return jax.block_until_ready(x)
 
-            t0 = time.perf_counter()
-            run(1)
-            row["compile_s"] = time.perf_counter() - t0
-            times = []
-            for _ in range(args.repeats):
-                t0 = time.perf_counter()
-                run(args.iters)
-                times.append((time.perf_counter() - t0) / args.iters)
-            row["s_per_step"] = statistics.median(times)
+            row.update(_timed(run, args.iters, args.repeats))
             row["tflops"] = flops / row["s_per_step"] / 1e12
             row["peak_gb"] = max((d.memory_stats() or {}).get("peak_bytes_in_use", 0) for d in jax.devices()) / 1e9
         except Exception as e:  # record and go on with the other meshes
