@@ -19,7 +19,8 @@ _INT8_BACKENDS = {"int8": "triton", "int8_mosaic": "mosaic"}
 def attention_implementation(requested: str | None, dtype) -> str:
     """The attention kernel a model uses: "cudnn" on a GPU for 16-bit dtypes unless asked otherwise, else "xla";
     "int8" is the INT8-QK kernel of pallas_kernels/attention.py through the Triton lowering, "int8_mosaic" the
-    Hopper one (head_dim a multiple of 64); both only when asked: cuDNN is faster so far (NOTES.md)."""
+    Hopper one (head_dim a multiple of 64); both only when asked: the Hopper kernel makes a full Krea 2 step 2% faster
+    than cuDNN (NOTES.md, session 4), not yet enough to trade bf16 attention's accuracy for by default."""
     if requested is None:
         on_gpu = jax.default_backend() == "gpu"
         requested = "cudnn" if on_gpu and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16) else "xla"
