@@ -242,6 +242,23 @@ def quantize_linear_layers(model: nnx.Module, rules, *, kernels: bool) -> list[s
     return done
 
 
+def quantize_on_load(rules):
+    """For `loading.place_parameters`: the matrices `rules` select become kernel weights (as `quantize_linear_layers`
+    makes them) as they are read, so that the device never holds the model in bf16, one tensor at most."""
+    from mxdit.pallas_kernels.gemm import prepare_weight
+    from mxdit.quant.formats import quantize
+    from mxdit.quant.model import format_for
+
+    quantize_jit = jax.jit(quantize, static_argnames=("fmt",))
+    prepare_jit = jax.jit(prepare_weight, static_argnames=("backend",))
+
+    def place(key: str, value: jax.Array):
+        fmt = format_for(key, tuple(value.shape), rules)
+        return prepare_jit(quantize_jit(value, fmt=fmt), backend="mosaic") if fmt else value
+
+    return place
+
+
 class Conv2d(nnx.Module):
     """2-D convolution on channels-last images (batch, height, width, channels), with PyTorch's weight layout
     `(out_channels, in_channels, kh, kw)` so checkpoints stream in unchanged.

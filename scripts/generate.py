@@ -159,6 +159,15 @@ def main(argv=None) -> int:
 
             with place_parameters(streamed_block_placement(args.offload)):
                 pipe = load_pipeline(args.model, dtype=dtype)
+        elif args.precision != "bf16" and not args.fuse_lora:  # quantized as read: never all in bf16 on the device
+            from mxdit.model.layers import PRECISIONS, quantize_on_load
+            from mxdit.model.loading import place_parameters
+            from mxdit.quant.model import flux_rules, krea2_rules
+
+            fmt = PRECISIONS[args.precision]
+            # Both families' rules: each selects only its own blocks' matrices (the text encoders' keys match neither).
+            with place_parameters(quantize_on_load(krea2_rules(fmt) + flux_rules(fmt))):
+                pipe = load_pipeline(args.model, dtype=dtype)
         else:
             pipe = load_pipeline(args.model, dtype=dtype)
         if args.attention:
@@ -169,7 +178,7 @@ def main(argv=None) -> int:
             from mxdit.training.lora_files import apply_loras
 
             apply_loras(pipe.transformer, args.loras, fuse=args.fuse_lora)  # before sharding: it places the adapters
-        if args.precision != "bf16":  # after fusing LoRAs: the fused weights are what gets quantized
+        if args.precision != "bf16":  # the demo, or after fusing LoRAs: the fused weights are what gets quantized
             from mxdit.model.layers import PRECISIONS, quantize_linear_layers
             from mxdit.quant.model import flux_rules, krea2_rules
 

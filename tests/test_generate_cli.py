@@ -123,6 +123,10 @@ def test_precision_runs_the_gemm_path_and_the_compile_cache_fills(tmp_path, caps
                           "--output", str(out)], capsys)
     assert code == 0, captured.err
     assert out.is_file() and any(cache.iterdir())
+    code, captured = run(["--model", str(FIXTURES / "krea2" / "tiny_pipeline"), "--prompt", "a cat", "--height", "64",
+                          "--width", "64", "--steps", "1", "--dtype", "fp32", "--max-sequence-length", "16",
+                          "--precision", "int8", "--output", str(tmp_path / "f.png")], capsys)
+    assert code == 0, captured.err  # a model folder: quantized as the checkpoint is read
     code, captured = run(["--demo", "--prompt", "a red fox", "--precision", "mxfp4", "--mesh", "data=1",
                           "--output", str(tmp_path / "m.png")], capsys)
     assert code == 2 and "--precision mxfp4 with --mesh" in captured.err

@@ -91,3 +91,20 @@ def test_concatenated_gemm_weights_multiply_as_the_separate_ones(fmt):
     if fmt.startswith("mx"):
         with pytest.raises(ValueError, match="cannot stack"):
             concat_weights([prepare_weight(jax.random.normal(keys[1], (64, 256)), fmt)] * 2)
+
+
+def test_quantizing_as_the_checkpoint_loads_gives_the_in_place_result(tiny):
+    """`quantize_on_load` (generate.py --precision with a model folder: never the whole model in bf16 on the device)
+    makes the same kernel weights as quantizing the loaded model in place."""
+    from mxdit.model.layers import quantize_on_load
+    from mxdit.model.loading import place_parameters
+
+    model, inputs = tiny
+    rules = krea2_rules(PRECISIONS["fp8"])
+    with place_parameters(quantize_on_load(rules)):
+        loaded = Krea2Transformer.from_pretrained(FIXTURES / "krea2" / "tiny", jnp.float32)
+    assert isinstance(loaded.transformer_blocks[1].attn.to_k.weight.get_value(), GemmWeight)
+    in_place = nnx.clone(model)
+    quantize_linear_layers(in_place, rules, kernels=True)
+    out, expected = (np.asarray(jax.jit(lambda *a, m=m: m(*a))(*inputs)) for m in (loaded, in_place))
+    np.testing.assert_array_equal(out, expected)
