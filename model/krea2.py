@@ -22,8 +22,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from .layers import (Linear, apply_rotary, stacked_linear, attention, attention_implementation, int8_attention_from_projections,
-                     remat_call, rotary_tables, shard_activation)
+from .layers import (Linear, apply_rotary, attention, attention_implementation, int8_attention_from_projections,
+                     remat_call, rotary_tables, shard_activation, stacked_linear)
 from .loading import CheckpointError, config_from_dict, load_state, open_checkpoint, read_json
 
 AttentionImpl = Literal["xla", "cudnn", "int8", "int8_mosaic"]
@@ -429,7 +429,6 @@ class Krea2Transformer(nnx.Module):
         """The final layer and the image rows. It acts per token: applied before the slice, it keeps a split
         sequence split up to the small (batch, seq, in_channels) output."""
         return self.final_layer(x, temb)[:, :image_len]
-
 
     def _text_stage(self, states: jax.Array, kv_lengths: jax.Array | None) -> jax.Array:
         return self.txt_in(self.text_fusion(states, kv_lengths, self.attention))

@@ -210,20 +210,33 @@ PRECISIONS = {"bf16": None, "fp8": "fp8_e4m3", "mxfp8": "mxfp8_e4m3", "mxfp6": "
               "int8": "int8"}  # --precision name -> the quant format of the blocks' matrices (None: unquantized)
 
 
+@functools.cache
+def _weight_quantizers():
+    """The jitted quantizer and kernel-layout preparation, made once per process (not per model or per load)."""
+    from mxdit.pallas_kernels.gemm import prepare_weight
+    from mxdit.quant.formats import quantize
+
+    return jax.jit(quantize, static_argnames=("fmt",)), jax.jit(prepare_weight, static_argnames=("backend",))
+
+
+def _quantized_weight(weight: jax.Array, fmt: str, kernels: bool):
+    """`weight` in `fmt`: a `GemmWeight` for the kernels, else a `QuantizedArray`. The Mosaic layout (MX exponents
+    folded per 128 x 128 tile) also serves the reference; INT8 weights keep theirs (channel scales) for Triton."""
+    quantize_jit, prepare_jit = _weight_quantizers()
+    q = quantize_jit(weight, fmt=fmt)
+    return prepare_jit(q, backend="mosaic") if kernels else q
+
+
 def quantize_linear_layers(model: nnx.Module, rules, *, kernels: bool) -> list[str]:
     """Quantize, in place, the weights of the Linear layers that `rules` select (`quant.model.krea2_rules(fmt)` and
     the like: (pattern, format) on checkpoint keys). `kernels`: to `GemmWeight`s that the low-precision GEMM
     kernels multiply directly (inference: activations quantized per token, W8A8 / MX weights); else to
     `QuantizedArray`s dequantized per call (training's frozen base). One weight at a time, so the device never holds
     a second full copy of the model. Returns the quantized keys."""
-    from mxdit.pallas_kernels.gemm import prepare_weight
-    from mxdit.quant.formats import quantize
     from mxdit.quant.model import format_for
 
     from .loading import module_key
 
-    quantize_jit = jax.jit(quantize, static_argnames=("fmt",))
-    prepare_jit = jax.jit(prepare_weight, static_argnames=("backend",))
     done = []
     for path, layer in nnx.iter_graph(model):
         if not isinstance(layer, Linear):
@@ -234,10 +247,7 @@ def quantize_linear_layers(model: nnx.Module, rules, *, kernels: bool) -> list[s
             continue
         fmt = format_for(key, tuple(weight.shape), rules)
         if fmt:
-            q = quantize_jit(weight, fmt=fmt)
-            # The Mosaic layout (MX exponents folded per 128 x 128 tile) also serves the reference; INT8 weights
-            # keep theirs (channel scales) for the Triton kernel.
-            layer.weight.set_value(prepare_jit(q, backend="mosaic") if kernels else q)
+            layer.weight.set_value(_quantized_weight(weight, fmt, kernels))
             done.append(key)
     return done
 
@@ -245,16 +255,11 @@ def quantize_linear_layers(model: nnx.Module, rules, *, kernels: bool) -> list[s
 def quantize_on_load(rules):
     """For `loading.place_parameters`: the matrices `rules` select become kernel weights (as `quantize_linear_layers`
     makes them) as they are read, so that the device never holds the model in bf16, one tensor at most."""
-    from mxdit.pallas_kernels.gemm import prepare_weight
-    from mxdit.quant.formats import quantize
     from mxdit.quant.model import format_for
-
-    quantize_jit = jax.jit(quantize, static_argnames=("fmt",))
-    prepare_jit = jax.jit(prepare_weight, static_argnames=("backend",))
 
     def place(key: str, value: jax.Array):
         fmt = format_for(key, tuple(value.shape), rules)
-        return prepare_jit(quantize_jit(value, fmt=fmt), backend="mosaic") if fmt else value
+        return _quantized_weight(value, fmt, kernels=True) if fmt else value
 
     return place
 
