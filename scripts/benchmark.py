@@ -1199,16 +1199,21 @@ def _table(rows: list[dict], title: str) -> None:
               + extra)
 
 
+def _krea2_shape_arguments(p: argparse.ArgumentParser) -> None:
+    """The image size, the text length (and how much of it is real) and a block count for quick runs."""
+    p.add_argument("--height", type=int, default=1024)
+    p.add_argument("--width", type=int, default=1024)
+    p.add_argument("--text-len", type=int, default=512)
+    p.add_argument("--valid-text", type=int, default=120)
+    p.add_argument("--num-layers", type=int, default=None, help="fewer blocks, for a quick smoke run")
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     for name in ("krea2-step", "krea2-step-diffusers"):
         p = sub.add_parser(name)
-        p.add_argument("--height", type=int, default=1024)
-        p.add_argument("--width", type=int, default=1024)
-        p.add_argument("--text-len", type=int, default=512)
-        p.add_argument("--valid-text", type=int, default=120)
-        p.add_argument("--num-layers", type=int, default=None, help="fewer blocks, for a quick smoke run")
+        _krea2_shape_arguments(p)
         p.add_argument("--iters", type=int, default=10, help="steps per timed repeat")
         p.add_argument("--repeats", type=int, default=3)
         p.add_argument("--torch-compile", action="store_true", help="also time diffusers under torch.compile")
@@ -1279,11 +1284,7 @@ def main(argv=None) -> None:
     p.add_argument("--method", choices=["ulysses", "ring"], default=None, help="sequence-parallel attention")
     p.add_argument("--guidance", action="store_true", help="CFG (Base): conditional and unconditional in one batch")
     p.add_argument("--batch", type=int, default=1, help="images per step")
-    p.add_argument("--height", type=int, default=1024)
-    p.add_argument("--width", type=int, default=1024)
-    p.add_argument("--text-len", type=int, default=512)
-    p.add_argument("--valid-text", type=int, default=120)
-    p.add_argument("--num-layers", type=int, default=None, help="fewer blocks, for a quick smoke run")
+    _krea2_shape_arguments(p)
     p.add_argument("--tiny", action="store_true", help="the tiny demo transformer in float32 (CPU smoke run)")
     p.add_argument("--iters", type=int, default=10, help="steps per timed repeat")
     p.add_argument("--repeats", type=int, default=3)
@@ -1291,12 +1292,8 @@ def main(argv=None) -> None:
     for name in ("krea2-lora-step", "krea2-lora-step-jax", "flux-lora-step", "flux-lora-step-jax"):
         p = sub.add_parser(name)
         p.set_defaults(family=name.split("-")[0])
-        p.add_argument("--height", type=int, default=1024)
-        p.add_argument("--width", type=int, default=1024)
-        p.add_argument("--text-len", type=int, default=512)
-        p.add_argument("--valid-text", type=int, default=120)
+        _krea2_shape_arguments(p)
         p.add_argument("--rank", type=int, default=32)
-        p.add_argument("--num-layers", type=int, default=None, help="fewer blocks, for a quick smoke run")
         p.add_argument("--tiny", action="store_true", help="a tiny model of the family (checks the path on a CPU)")
         p.add_argument("--quantize-base", default=None, metavar="FORMAT", help="frozen block matrices in this format")
         p.add_argument("--iters", type=int, default=5, help="steps per timed repeat")
@@ -1309,11 +1306,7 @@ def main(argv=None) -> None:
             p.add_argument("--remat", default="none", choices=["none", "block", "dots", "dots_all"])
     for name in ("krea2-offload", "krea2-offload-jax"):
         p = sub.add_parser(name)
-        p.add_argument("--height", type=int, default=1024)
-        p.add_argument("--width", type=int, default=1024)
-        p.add_argument("--text-len", type=int, default=512)
-        p.add_argument("--valid-text", type=int, default=120)
-        p.add_argument("--num-layers", type=int, default=None)
+        _krea2_shape_arguments(p)
         p.add_argument("--prefetch", type=int, default=2)
         p.add_argument("--iters", type=int, default=5)
         p.add_argument("--repeats", type=int, default=3)
