@@ -21,7 +21,7 @@ from flax import nnx
 from .pipeline_common import PipelineOutput, check_components, image_position_ids, pack_latents, unpack_latents
 from .flow_match import KREA2_TURBO_MU, NUM_TRAIN_TIMESTEPS, ShiftConfig, euler_step, flow_match_schedule
 from .images import to_pil
-from .krea2 import Krea2Config, Krea2Transformer
+from .krea2 import Krea2Config, Krea2Transformer, trim_padded_text
 from .loading import read_json
 from .qwen3vl_text import Qwen3VLTextConfig, Qwen3VLTextEncoder
 from .tokenizer import TextTokenizer, save_demo_tokenizer
@@ -133,6 +133,7 @@ class Krea2Pipeline:
         callback: Callable[[int, float, jax.Array], None] | None = None,
         output_type: str = "pil",
         tiled_decode: bool = False,
+        trim_text: bool = True,
     ) -> PipelineOutput:
         """Generate images.
 
@@ -145,6 +146,8 @@ class Krea2Pipeline:
             latents: packed initial noise (batch * num_images_per_prompt, h/16 * w/16, 64) instead of the seeded one.
             callback: called after each step as callback(step_index, timestep, latents).
             output_type: "pil", "np" (float (batch, h, w, 3) in [0, 1]) or "latent" (no decode).
+            trim_text: drop the padded text tokens before the denoising loop (`krea2.trim_padded_text`: the same
+                result, a shorter sequence); False runs all max_sequence_length tokens, as diffusers does.
         """
         multiple = self.vae_scale_factor * self.config.patch_size
         if height % multiple or width % multiple or height <= 0 or width <= 0:
@@ -169,7 +172,10 @@ class Krea2Pipeline:
         embeds = jnp.repeat(embeds, num_images_per_prompt, axis=0) if num_images_per_prompt > 1 else embeds
         mask = jnp.repeat(mask, num_images_per_prompt, axis=0) if num_images_per_prompt > 1 else mask
         # The transformer's text stage depends on the prompt only: once here, not in every step.
-        embeds = jax.block_until_ready(_fuse_text(self.transformer, embeds, mask))
+        embeds = _fuse_text(self.transformer, embeds, mask)
+        if trim_text:
+            embeds, mask = trim_padded_text(embeds, mask)
+        embeds = jax.block_until_ready(embeds)
         timings["text encode"] = time.perf_counter() - t0
 
         grid_h, grid_w = height // multiple, width // multiple

@@ -73,6 +73,31 @@ def test_turbo_matches_diffusers_with_several_images_per_prompt(pipe, reference)
     assert relative_l2(out.latents, reference["turbo_latents_out"]) <= 1e-3
 
 
+def test_trimmed_text_padding_gives_the_same_latents(pipe):
+    """The pipeline drops padded text tokens before denoising (`trim_text`, on by default): with CFG (two prompts of
+    different lengths) the latents equal those of the run over all max_sequence_length tokens, as diffusers runs."""
+    from flax import nnx
+
+    from mxdit.model.pipeline_krea2 import denoise_step
+
+    seen = []
+
+    def recording_step(latents, embeds, *args):
+        seen.append(embeds.shape[1])
+        return nnx.cached_partial(denoise_step, pipe.transformer)(latents, embeds, *args)
+
+    kwargs = dict(height=HEIGHT, width=WIDTH, num_inference_steps=2, guidance_scale=4.5, seed=1,
+                  max_sequence_length=100, output_type="latent")
+    pipe.denoise_step_fn = recording_step
+    try:
+        trimmed = pipe(PROMPTS, negative_prompt=["blurry", "dark"], **kwargs).latents
+        full = pipe(PROMPTS, negative_prompt=["blurry", "dark"], trim_text=False, **kwargs).latents
+    finally:
+        pipe.denoise_step_fn = None
+    assert seen == [64, 64, 100, 100]
+    np.testing.assert_allclose(trimmed, full, rtol=0, atol=2e-5)
+
+
 def test_seeded_noise_is_reproducible(pipe):
     kwargs = dict(height=HEIGHT, width=WIDTH, num_inference_steps=2, max_sequence_length=MAX_LEN, output_type="latent")
     a = pipe("a cat", seed=7, **kwargs).latents

@@ -65,6 +65,25 @@ def test_text_stage_computed_once_gives_the_same_velocity(tiny, reference, maske
     np.testing.assert_allclose(np.asarray(out), np.asarray(run(tiny, reference, masked)), rtol=0, atol=1e-6)
 
 
+@pytest.mark.parametrize("multiple, kept", [(1, 4), (3, 6), (64, 7)])
+def test_trimmed_text_gives_diffusers_velocity(tiny, reference, multiple, kept):
+    """`trim_padded_text` drops the padded tokens of the fused text (a shorter joint sequence): the same output as
+    diffusers' run over all of them. The first fixture prompt has 4 real tokens of 7, padding in the middle."""
+    from mxdit.model.krea2 import trim_padded_text
+
+    ref = {k: v[:1] for k, v in reference.items() if k != "position_ids"}
+    mask = ref["encoder_attention_mask"]
+    assert mask.sum() == 4 and mask.shape == (1, 7)
+    fused, trimmed_mask = trim_padded_text(tiny.fuse_text(ref["encoder_hidden_states"], mask), mask, multiple)
+    assert fused.shape[1] == kept
+    np.testing.assert_array_equal(np.asarray(trimmed_mask), np.arange(kept)[None] < 4)
+    ids = np.concatenate([reference["position_ids"][:kept], reference["position_ids"][7:]])
+    out = tiny(ref["hidden_states"], fused, ref["timestep"], ids, trimmed_mask)
+    assert relative_l2(out, ref["output_masked"]) <= 1e-4
+    full = tiny(ref["hidden_states"], ref["encoder_hidden_states"], ref["timestep"], reference["position_ids"], mask)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(full), rtol=0, atol=1e-5)
+
+
 def test_padded_text_tokens_do_not_change_image_tokens(tiny, reference):
     ref = dict(reference)
     mask = ref["encoder_attention_mask"]
