@@ -115,6 +115,9 @@ def jax_krea2_step(args) -> list[dict]:
             model.attention = attention
             graphdef, state = nnx.split(model)
             step_mask = mask if masked else None
+            # --fused-text: the text stage once, outside the timed steps, as the pipeline runs it (diffusers runs it
+            # in every call)
+            step_text = jax.jit(model.fuse_text)(text, step_mask) if args.fused_text else text
 
             def step(state, x, text, timestep):
                 return (x + 1e-3 * nnx.merge(graphdef, state)(x, text, timestep, position_ids, step_mask)).astype(x.dtype)
@@ -130,13 +133,13 @@ def jax_krea2_step(args) -> list[dict]:
                 return jax.lax.fori_loop(0, n, body, x)
 
             one_step = jax.jit(step)
-            variants = {"one jitted loop": lambda n: fused(state, hidden, text, timestep, n),
-                        "a dispatch per step": lambda n: _dispatch_loop(one_step, state, hidden, text, timestep, n)}
+            variants = {"one jitted loop": lambda n: fused(state, hidden, step_text, timestep, n),
+                        "a dispatch per step": lambda n: _dispatch_loop(one_step, state, hidden, step_text, timestep, n)}
             for mode, call in variants.items():
                 if mode not in args.modes:
                     continue
                 row = {"name": f"jax {precision}{' stacked' if stacked else ''}, {attention} attention, "
-                               f"{'masked' if masked else 'no mask'}, {mode}",
+                               f"{'masked' if masked else 'no mask'}, {mode}{', text fused once' if args.fused_text else ''}",
                        "weights_gb": weights_gb}
                 try:
                     t0 = time.perf_counter()
@@ -144,7 +147,7 @@ def jax_krea2_step(args) -> list[dict]:
                     row["compile_s"] = time.perf_counter() - t0
                     if mode == "one jitted loop":  # the step's own memory beside the weights (the process peak
                         # also holds the bf16 weights the quantized ones were made from)
-                        memory = fused.lower(state, hidden, text, timestep, 1).compile().memory_analysis()
+                        memory = fused.lower(state, hidden, step_text, timestep, 1).compile().memory_analysis()
                         row["temp_gb"] = getattr(memory, "temp_size_in_bytes", 0) / 1e9
                     times = []
                     for _ in range(args.repeats):
@@ -445,18 +448,23 @@ QWEN3VL_4B_TEXT = dict(vocab_size=151936, hidden_size=2560, intermediate_size=97
 
 
 def jax_krea2_pipeline(args) -> list[dict]:
-    """Our Krea 2 pipeline, full-size random bf16 weights (the demo tokenizer: the text is padded to 512 anyway)."""
+    """Our Krea 2 pipeline, full-size random bf16 weights (the demo tokenizer: the text is padded to 512 anyway), for
+    each --precisions x --jax-attention: its transformer's block matrices quantized for the GEMM kernels (not bf16),
+    projections stacked, as generate.py runs it; a cold run (compiles, or reads JAX_COMPILATION_CACHE_DIR) and
+    --repeats warm ones."""
     import tempfile
 
     import jax
     import jax.numpy as jnp
     from flax import nnx
 
-    from mxdit.model.krea2 import Krea2Transformer
+    from mxdit.model.krea2 import Krea2Transformer, stack_projections
+    from mxdit.model.layers import PRECISIONS, quantize_linear_layers
     from mxdit.model.pipeline_krea2 import Krea2Pipeline, Krea2PipelineConfig
     from mxdit.model.qwen3vl_text import Qwen3VLTextConfig, Qwen3VLTextEncoder
     from mxdit.model.tokenizer import TextTokenizer, save_demo_tokenizer
     from mxdit.model.vae_qwenimage import QwenImageVAE, QwenImageVAEConfig
+    from mxdit.quant.model import krea2_rules
 
     t0 = time.perf_counter()
     rngs = nnx.Rngs(0)
@@ -469,12 +477,27 @@ def jax_krea2_pipeline(args) -> list[dict]:
     )
     jax.block_until_ready(nnx.state(pipe.transformer))
     print(json.dumps({"jax_pipeline_init_s": time.perf_counter() - t0}), flush=True)
+    base = pipe.transformer
+    cache_dir = os.environ.get("JAX_COMPILATION_CACHE_DIR")
+    cache = "from the compile cache" if cache_dir and any(Path(cache_dir).iterdir()) else "compiles"
     rows = []
-    for run in range(1 + args.repeats):
-        out = pipe("a red fox in the snow, photo", height=args.height, width=args.width, num_inference_steps=args.steps)
-        row = {"name": f"jax pipeline {'cold (compiles)' if run == 0 else f'warm run {run}'}", **out.timings}
-        print(json.dumps(row), flush=True)
-        rows.append(row)
+    for precision in args.precisions:
+        transformer = nnx.clone(base) if precision != "bf16" else base
+        if precision != "bf16":
+            quantize_linear_layers(transformer, krea2_rules(PRECISIONS[precision]), kernels=True)
+        stack_projections(transformer)
+        pipe.transformer = transformer
+        for attention in args.jax_attention:
+            transformer.attention = attention
+            for run in range(1 + args.repeats):
+                out = pipe("a red fox in the snow, photo", height=args.height, width=args.width,
+                           num_inference_steps=args.steps, trim_text=args.trim_text)
+                label = f"cold ({cache})" if run == 0 else f"warm run {run}"
+                row = {"name": f"jax {precision}, {attention} {label}", **out.timings}
+                print(json.dumps(row), flush=True)
+                rows.append(row)
+        if transformer is not base:
+            del transformer
     rows.append({"name": "jax peak", "peak_gb": (jax.devices()[0].memory_stats() or {}).get("peak_bytes_in_use", 0) / 1e9})
     return rows
 
@@ -536,10 +559,19 @@ def diffusers_krea2_pipeline(args) -> list[dict]:
 
 
 def krea2_pipeline(args) -> None:
+    """diffusers, then ours in two processes sharing a fresh compilation cache: the first compiles (cold), the
+    second starts from the cache on disk (cold, as a second run of generate.py starts)."""
+    import tempfile
+
     forwarded = ["--height", str(args.height), "--width", str(args.width), "--steps", str(args.steps),
                  "--repeats", str(args.repeats)] + (["--num-layers", str(args.num_layers)] if args.num_layers else [])
     rows = _subprocess_rows(args, "krea2-pipeline-diffusers", forwarded) if args.diffusers else []
-    rows += _subprocess_rows(args, "krea2-pipeline-jax", forwarded)
+    ours = forwarded + ["--precisions", *args.precisions, "--jax-attention", *args.jax_attention]
+    ours += [] if args.trim_text else ["--no-trim-text"]
+    cache = {"JAX_COMPILATION_CACHE_DIR": tempfile.mkdtemp(prefix="mxdit-bench-cache-"),
+             "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0.5"}
+    for _ in range(2 if args.cached_too else 1):  # the second process finds what the first compiled
+        rows += _subprocess_rows(args, "krea2-pipeline-jax", ours, env=cache)
     print(f"\nKrea 2 Turbo pipeline, {args.height}x{args.width}, {args.steps} steps, random full-size bf16 weights")
     print(f"{'run':<34}{'text encode':>12}{'denoise':>9}{'decode':>8}{'total':>8}")
     for r in rows:
@@ -633,6 +665,7 @@ def diffusers_flux_step(args) -> list[dict]:
 # --------------------------------------------------------------------------------------------------------------------
 # GEMM kernels (issue #7)
 
+PRECISION_CHOICES = ["bf16", "fp8", "mxfp8", "mxfp6", "mxfp4", "int8"]  # model.layers.PRECISIONS (imported late)
 GEMM_SHAPES = ["4608x6144x6144", "4608x6144x18432", "4608x6144x32768", "4608x16384x6144", "1024x6144x6144",
                "16384x6144x6144"]
 
@@ -1219,12 +1252,13 @@ def main(argv=None) -> None:
         p.add_argument("--torch-compile", action="store_true", help="also time diffusers under torch.compile")
         p.add_argument("--no-diffusers", dest="diffusers", action="store_false")
         p.add_argument("--jax-attention", nargs="+", default=["cudnn"], choices=["cudnn", "xla", "int8", "int8_mosaic"])
-        p.add_argument("--precisions", nargs="+", default=["bf16"],
-                       choices=["bf16", "fp8", "mxfp8", "mxfp6", "mxfp4", "int8"],
+        p.add_argument("--precisions", nargs="+", default=["bf16"], choices=PRECISION_CHOICES,
                        help="the blocks' matrices in this format through the GEMM kernels (bf16: XLA's dots)")
         p.add_argument("--stacked", nargs="+", type=lambda s: s == "yes", default=[False], metavar="{no,yes}",
                        help="also (yes) or only with Q/K/V/gate and gate/up stacked into single products")
         p.add_argument("--unmasked-too", action="store_true", help="also time the step without a text mask")
+        p.add_argument("--fused-text", action="store_true",
+                       help="the text stage once before the timed steps, as the pipeline runs it (not in each step)")
         p.add_argument("--modes", nargs="+", default=["one jitted loop", "a dispatch per step"],
                        choices=["one jitted loop", "a dispatch per step"])
         p.add_argument("--json", default=None, help="write the result rows to this file")
@@ -1243,6 +1277,13 @@ def main(argv=None) -> None:
         p.add_argument("--num-layers", type=int, default=None, help="fewer transformer blocks, for a quick smoke run")
         p.add_argument("--repeats", type=int, default=2, help="warm runs after the cold one")
         p.add_argument("--no-diffusers", dest="diffusers", action="store_false")
+        p.add_argument("--precisions", nargs="+", default=["bf16"], choices=PRECISION_CHOICES,
+                       help="the blocks' matrices in this format through the GEMM kernels (bf16: XLA's dots)")
+        p.add_argument("--jax-attention", nargs="+", default=["cudnn"], choices=["cudnn", "xla", "int8", "int8_mosaic"])
+        p.add_argument("--no-trim-text", dest="trim_text", action="store_false",
+                       help="denoise all 512 text tokens, as diffusers does (default: the padding dropped)")
+        p.add_argument("--cached-too", action="store_true",
+                       help="a second process of ours that starts from the first one's compilation cache")
         p.add_argument("--json", default=None)
     for name in ("flux-step", "flux-step-diffusers", "flux-step-jax"):
         p = sub.add_parser(name)
