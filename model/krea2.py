@@ -127,10 +127,13 @@ class Attention(nnx.Module):
         rotary: tuple[jax.Array, jax.Array] | None = None,
         kv_lengths: jax.Array | None = None,
         implementation: AttentionImpl | AttentionFn = "xla",
+        residual: jax.Array | None = None,
+        residual_gate: jax.Array | None = None,
     ) -> jax.Array:
         """x: (batch, seq, dim). `kv_lengths` (batch,) int32: only the first kv_lengths[b] tokens are attended to as
         keys (the caller orders padded tokens last). `implementation`: a kernel name or an `AttentionFn`. Returns
-        (batch, seq, dim)."""
+        (batch, seq, dim); with `residual` and `residual_gate` (batch, 1, dim): `residual + residual_gate * that`
+        (the output projection's epilogue, see `Linear.gated_residual`)."""
         batch, seq, _ = x.shape
         if self.to_qkvg is not None:
             nq, nk = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
@@ -152,6 +155,8 @@ class Attention(nnx.Module):
                 q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
             out = attention(q, k, v, kv_lengths, implementation)
         out = out.reshape(batch, seq, -1) * jax.nn.sigmoid(gate)
+        if residual is not None:
+            return self.to_out[0].gated_residual(out, residual, residual_gate)
         return self.to_out[0](out)
 
 
@@ -171,12 +176,17 @@ class SwiGLU(nnx.Module):
             self.gate_up, self.gate, self.up = stacked, None, None
         return stacked is not None
 
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, residual: jax.Array | None = None,
+                 residual_gate: jax.Array | None = None) -> jax.Array:
+        """With `residual` and `residual_gate`: `residual + residual_gate * swiglu(x)` (see `Attention`)."""
         if self.gate_up is not None:
             gate, up = jnp.split(self.gate_up(x), 2, axis=-1)
         else:
             gate, up = self.gate(x), self.up(x)
-        return self.down(jax.nn.silu(gate) * up)
+        hidden = jax.nn.silu(gate) * up
+        if residual is not None:
+            return self.down.gated_residual(hidden, residual, residual_gate)
+        return self.down(hidden)
 
 
 class TextFusionBlock(nnx.Module):
@@ -238,9 +248,9 @@ class TransformerBlock(nnx.Module):
         batch = temb_mod.shape[0]
         mod = temb_mod.reshape(batch, 1, 6, -1) + self.scale_shift_table[...]
         prescale, preshift, pregate, postscale, postshift, postgate = (mod[:, :, i] for i in range(6))
-        attn = self.attn((1.0 + prescale) * self.norm1(x) + preshift, rotary, kv_lengths, implementation)
-        x = x + pregate * attn
-        return x + postgate * self.ff((1.0 + postscale) * self.norm2(x) + postshift)
+        x = self.attn((1.0 + prescale) * self.norm1(x) + preshift, rotary, kv_lengths, implementation,
+                      residual=x, residual_gate=pregate)
+        return self.ff((1.0 + postscale) * self.norm2(x) + postshift, residual=x, residual_gate=postgate)
 
 
 class TimestepEmbedding(nnx.Module):

@@ -137,6 +137,17 @@ class Linear(nnx.Module):
         return y
 
 
+    def gated_residual(self, x: jax.Array, residual: jax.Array, gate: jax.Array) -> jax.Array:
+        """`residual + gate * self(x)`, the DiT's gated residual: x (batch, seq, in), residual (batch, seq, out), gate
+        (batch, 1, out). With a kernel weight and one image in the batch, inside the GEMM's epilogue (float32, one
+        rounding), so the product is never written out and read back."""
+        weight = self.weight.get_value()
+        if _is_gemm_weight(weight) and x.shape[0] == 1 and self.lora is None:
+            bias = None if self.bias is None else self.bias[...]
+            return _kernel_matmul(x, weight, bias, residual=residual, gate=gate.reshape(-1))
+        return residual + gate * self(x)
+
+
 def stacked_linear(layers: list[Linear]) -> Linear | None:
     """One Linear computing `layers` (same input, no bias, no adapter) side by side: their outputs concatenated.
     Bigger products run closer to the GEMMs' peak than several narrow ones (Krea 2's K and V have 1536 outputs).
@@ -197,12 +208,14 @@ def _jitted_kernel(name: str):
     return jax.jit(function, static_argnames=static)
 
 
-def _kernel_matmul(x: jax.Array, weight, bias: jax.Array | None) -> jax.Array:
+def _kernel_matmul(x: jax.Array, weight, bias: jax.Array | None, residual: jax.Array | None = None,
+                   gate: jax.Array | None = None) -> jax.Array:
     """x (..., k) @ weight^T through `pallas_kernels.gemm.scaled_matmul` (activations quantized per token on the
-    fly), in x's dtype."""
+    fly), in x's dtype; with `residual` (..., n) and `gate` (n,): `residual + gate * product` in the epilogue."""
     lead = x.shape[:-1]
-    y = _jitted_kernel("scaled_matmul")(x.reshape(-1, x.shape[-1]), weight, bias=bias, out_dtype=x.dtype,
-                                        backend=gemm_backend(weight))
+    residual = None if residual is None else residual.reshape(-1, weight.n)
+    y = _jitted_kernel("scaled_matmul")(x.reshape(-1, x.shape[-1]), weight, bias=bias, residual=residual, gate=gate,
+                                        out_dtype=x.dtype, backend=gemm_backend(weight))
     return y.reshape(*lead, weight.n)
 
 

@@ -108,3 +108,25 @@ def test_quantizing_as_the_checkpoint_loads_gives_the_in_place_result(tiny):
     quantize_linear_layers(in_place, rules, kernels=True)
     out, expected = (np.asarray(jax.jit(lambda *a, m=m: m(*a))(*inputs)) for m in (loaded, in_place))
     np.testing.assert_array_equal(out, expected)
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_gated_residual_in_the_gemm_epilogue(batch, monkeypatch):
+    """`Linear.gated_residual` (the DiT's `x + gate * proj(h)`): with a kernel weight and one image, the GEMM's
+    epilogue adds it (float32, one rounding); with two (per-image gates) the plain form. Both give the plain value."""
+    from mxdit.model import layers
+    from mxdit.model.layers import Linear
+
+    linear = Linear(64, 32, bias=True, dtype=jnp.float32, rngs=nnx.Rngs(0))
+    linear.bias.set_value(jax.random.normal(jax.random.key(1), (32,)))
+    quantize_linear_layers(linear, [(r".*", "fp8_e4m3")], kernels=True)
+    k = jax.random.split(jax.random.key(2), 3)
+    x, residual = jax.random.normal(k[0], (batch, 8, 64)), jax.random.normal(k[1], (batch, 8, 32))
+    gate = jax.random.normal(k[2], (batch, 1, 32))
+    calls = []
+    kernel = layers._kernel_matmul
+    monkeypatch.setattr(layers, "_kernel_matmul", lambda *a, **kw: calls.append(kw.get("residual") is not None)
+                        or kernel(*a, **kw))
+    out = linear.gated_residual(x, residual, gate)
+    assert calls == [batch == 1]
+    np.testing.assert_allclose(np.asarray(out), np.asarray(residual + gate * linear(x)), rtol=1e-5, atol=1e-5)
