@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -275,6 +276,59 @@ def quantize_on_load(rules):
         return _quantized_weight(value, fmt, kernels=True) if fmt else value
 
     return place
+
+
+def load_quantized_model(build, path) -> nnx.Module:
+    """The module `build()` makes (only traced) with its parameters from mxdit's quantized checkpoint (one file from
+    scripts/quantize.py, `quant.model.save_quantized`): the quantized matrices become the GEMM kernels' weights as
+    they are read (as `quantize_linear_layers(kernels=True)` makes them: the device never holds them in bf16), the
+    other tensors are cast to the module's dtypes. Errors name the file and the keys."""
+    from mxdit.pallas_kernels.gemm import WEIGHT_FORMATS
+    from mxdit.quant.formats import QuantizedArray
+    from mxdit.quant.model import QuantizedCheckpointError, load_quantized
+
+    from .loading import CheckpointError, module_key
+
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(f"{path}: no such file")
+    try:
+        params = load_quantized(path)
+    except QuantizedCheckpointError as e:
+        raise CheckpointError(str(e)) from None
+    abstract = nnx.eval_shape(build)
+    graphdef, state = nnx.split(abstract)
+    flat = nnx.to_flat_state(state)
+    expected = {module_key(p): v for p, v in flat}
+    problems = []
+    if missing := sorted(set(expected) - set(params)):
+        problems.append(f"missing keys ({len(missing)}): {', '.join(missing[:10])}")
+    if unexpected := sorted(set(params) - set(expected)):
+        problems.append(f"unexpected keys ({len(unexpected)}): {', '.join(unexpected[:10])}")
+    untaken = []  # quantized tensors the GEMM kernels cannot multiply
+    for key in sorted(set(expected) & set(params)):
+        value, want = params[key], expected[key].get_value()
+        if tuple(value.shape) != tuple(want.shape):
+            problems.append(f"{key}: file has shape {tuple(value.shape)}, model expects {tuple(want.shape)}")
+        elif isinstance(value, QuantizedArray) and (value.fmt not in WEIGHT_FORMATS or len(value.shape) != 2
+                                                     or value.axis != 1):
+            untaken.append(f"{key}: {value.fmt} along axis {value.axis}")
+    if untaken:
+        problems.append(f"{len(untaken)} quantized tensors the GEMM kernels do not take ({', '.join(untaken[:3])}"
+                        f"{', ...' if len(untaken) > 3 else ''}); they take 2-D weights quantized along their last "
+                        f"axis in {', '.join(WEIGHT_FORMATS)}")
+    if problems:
+        raise CheckpointError(f"{path}: cannot load into {type(abstract).__name__}: " + " | ".join(problems[:12]))
+    _, prepare_jit = _weight_quantizers()
+    for p, variable in flat:
+        key = module_key(p)
+        value = params.pop(key)  # dropped as used: the file's arrays are freed one by one
+        if isinstance(value, QuantizedArray):
+            value = prepare_jit(value, backend="mosaic")
+        else:
+            value = value.astype(variable.get_value().dtype)
+        variable.set_value(value)
+    return nnx.merge(graphdef, nnx.from_flat_state(flat))
 
 
 class Conv2d(nnx.Module):

@@ -48,8 +48,10 @@ class FluxPipeline:
         return self.transformer.config.guidance_embeds
 
     @classmethod
-    def from_pretrained(cls, folder: str | Path, dtype: jnp.dtype = jnp.bfloat16) -> "FluxPipeline":
-        """Load a diffusers-layout FLUX.1 folder."""
+    def from_pretrained(cls, folder: str | Path, dtype: jnp.dtype = jnp.bfloat16, *,
+                        transformer: FluxTransformer | None = None) -> "FluxPipeline":
+        """Load a diffusers-layout FLUX.1 folder; `transformer`: one loaded otherwise (a quantized checkpoint), in
+        place of transformer/'s."""
         folder = check_components(folder, COMPONENTS, "FLUX.1")
         scheduler = folder / "scheduler" / "scheduler_config.json"
         config = read_json(scheduler) if scheduler.is_file() else {"use_dynamic_shifting": True}
@@ -58,7 +60,7 @@ class FluxPipeline:
             shift = ShiftConfig(**{k: config[k] for k in ("base_shift", "max_shift", "base_image_seq_len",
                                                           "max_image_seq_len") if k in config})
         return cls(
-            FluxTransformer.from_pretrained(folder / "transformer", dtype),
+            transformer or FluxTransformer.from_pretrained(folder / "transformer", dtype),
             FluxVAE.from_pretrained(folder / "vae", dtype),
             CLIPTextEncoder.from_pretrained(folder / "text_encoder", dtype),
             TextTokenizer.from_folder(folder / "tokenizer"),

@@ -78,9 +78,10 @@ class Krea2Pipeline:
     # -- loading -------------------------------------------------------------------------------------------------------
 
     @classmethod
-    def from_pretrained(cls, folder: str | Path, dtype: jnp.dtype = jnp.bfloat16) -> "Krea2Pipeline":
+    def from_pretrained(cls, folder: str | Path, dtype: jnp.dtype = jnp.bfloat16, *,
+                        transformer: Krea2Transformer | None = None) -> "Krea2Pipeline":
         """Load a diffusers-layout Krea 2 folder (model_index.json, transformer/, vae/, text_encoder/, tokenizer/,
-        scheduler/)."""
+        scheduler/); `transformer`: one loaded otherwise (a quantized checkpoint), in place of transformer/'s."""
         folder = check_components(folder, COMPONENTS, "Krea 2")
         index = read_json(folder / "model_index.json") if (folder / "model_index.json").is_file() else {}
         scheduler = folder / "scheduler" / "scheduler_config.json"
@@ -93,7 +94,7 @@ class Krea2Pipeline:
                                                        "max_image_seq_len") if k in shift}),
         )
         return cls(
-            Krea2Transformer.from_pretrained(folder / "transformer", dtype),
+            transformer or Krea2Transformer.from_pretrained(folder / "transformer", dtype),
             QwenImageVAE.from_pretrained(folder / "vae", dtype),
             Qwen3VLTextEncoder.from_pretrained(folder / "text_encoder", dtype),
             TextTokenizer.from_folder(folder / "tokenizer"),

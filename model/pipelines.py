@@ -5,7 +5,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import jax.numpy as jnp
+from flax import nnx
 
+from .flux import FluxConfig, FluxTransformer
+from .krea2 import Krea2Config, Krea2Transformer
+from .layers import load_quantized_model
 from .loading import CheckpointError, read_json
 from .pipeline_flux import FluxPipeline
 from .pipeline_krea2 import Krea2Pipeline
@@ -13,8 +17,11 @@ from .pipeline_krea2 import Krea2Pipeline
 PIPELINES = {"Krea2Pipeline": Krea2Pipeline, "FluxPipeline": FluxPipeline}
 
 
-def load_pipeline(folder: str | Path, dtype: jnp.dtype = jnp.bfloat16) -> Krea2Pipeline | FluxPipeline:
-    """Krea 2 or FLUX.1, by the `_class_name` of the folder's model_index.json."""
+def load_pipeline(folder: str | Path, dtype: jnp.dtype = jnp.bfloat16, *,
+                  quantized_transformer: str | Path | None = None) -> Krea2Pipeline | FluxPipeline:
+    """Krea 2 or FLUX.1, by the `_class_name` of the folder's model_index.json. `quantized_transformer`: mxdit's
+    quantized checkpoint of the transformer (scripts/quantize.py), read in place of transformer/'s weights (its
+    config.json still gives the sizes): the quantized matrices go straight to the GEMM kernels' form."""
     folder = Path(folder)
     if not folder.is_dir():
         raise CheckpointError(f"{folder}: no such folder")
@@ -24,4 +31,11 @@ def load_pipeline(folder: str | Path, dtype: jnp.dtype = jnp.bfloat16) -> Krea2P
     name = read_json(index).get("_class_name")
     if name not in PIPELINES:
         raise CheckpointError(f"{index}: pipeline {name!r} is not supported (supported: {', '.join(PIPELINES)})")
-    return PIPELINES[name].from_pretrained(folder, dtype)
+    transformer = None
+    if quantized_transformer is not None:
+        family = {"Krea2Pipeline": (Krea2Transformer, Krea2Config), "FluxPipeline": (FluxTransformer, FluxConfig)}
+        model_cls, config_cls = family[name]
+        config = config_cls.from_json(folder / "transformer" / "config.json")
+        transformer = load_quantized_model(lambda: model_cls(config, dtype=dtype, rngs=nnx.Rngs(0)),
+                                           quantized_transformer)
+    return PIPELINES[name].from_pretrained(folder, dtype, transformer=transformer)

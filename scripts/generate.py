@@ -10,7 +10,9 @@ without guidance, Base 28 steps with CFG 4.5 and the negative prompt). FLUX.1: d
 28 steps), schnell takes 4 steps; --true-cfg > 1 with --negative-prompt adds true classifier-free guidance. With
 several images, `--output x.png` writes x_0.png, x_1.png, ... An existing file is never overwritten unless
 --overwrite is given. `--lora FILE[:WEIGHT]` (repeatable) applies LoRA files in the diffusers/PEFT, kohya or ComfyUI
-layout (training/lora_files.py), at run time or, with --fuse-lora, fused into the weights.
+layout (training/lora_files.py), at run time or, with --fuse-lora, fused into the weights. `--precision fp8` (or
+mxfp8, mxfp6, mxfp4, int8) quantizes the transformer's block matrices as they load; `--quantized FILE` reads a
+checkpoint that scripts/quantize.py wrote instead.
 """
 
 from __future__ import annotations
@@ -48,6 +50,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="the transformer blocks' matrices in this format, multiplied by the low-precision GEMM "
                              "kernels with activations quantized per token (default bf16: the --dtype weights as "
                              "they are)")
+    parser.add_argument("--quantized", type=Path, default=None, metavar="FILE",
+                        help="the transformer's weights from this quantized checkpoint (scripts/quantize.py) instead "
+                             "of --model's transformer/ folder; its matrices run through the low-precision GEMM kernels")
     parser.add_argument("--attention", choices=["cudnn", "xla", "int8", "int8_mosaic"], default=None,
                         help="the attention kernel (default cuDNN on a GPU, XLA elsewhere; int8: INT8-QK, Triton "
                              "lowering; int8_mosaic: INT8-QK, Hopper)")
@@ -102,6 +107,16 @@ def parse_args(argv=None) -> argparse.Namespace:
             if not path.is_file():
                 parser.error(f"--lora {path}: no such file")
     check_device_arguments(parser, args)
+    if args.quantized is not None:
+        if args.model is None:
+            parser.error("--quantized needs --model (the folder with the other components and transformer/config.json)")
+        if not args.quantized.is_file():
+            parser.error(f"--quantized {args.quantized}: no such file")
+        for given, name in ((args.precision != "bf16", "--precision"), (args.offload is not None, "--offload"),
+                            (args.mesh is not None, "--mesh"), (args.fuse_lora, "--fuse-lora")):
+            if given:
+                parser.error(f"--quantized with {name}: the file's formats are the precision; {name} is not "
+                             "supported with it")
     if args.mesh is not None and args.precision != "bf16":
         parser.error(f"--precision {args.precision} with --mesh: sharded runs take bf16 weights for now")
     if args.offload is not None:
@@ -159,6 +174,8 @@ def main(argv=None) -> int:
 
             with place_parameters(streamed_block_placement(args.offload)):
                 pipe = load_pipeline(args.model, dtype=dtype)
+        elif args.quantized is not None:
+            pipe = load_pipeline(args.model, dtype=dtype, quantized_transformer=args.quantized)
         elif args.precision != "bf16" and not args.fuse_lora:  # quantized as read: never all in bf16 on the device
             from mxdit.model.layers import PRECISIONS, quantize_on_load
             from mxdit.model.loading import place_parameters

@@ -132,6 +132,30 @@ def test_precision_runs_the_gemm_path_and_the_compile_cache_fills(tmp_path, caps
     assert code == 2 and "--precision mxfp4 with --mesh" in captured.err
 
 
+def test_quantized_checkpoint_from_quantize_py_generates_as_precision_does(tmp_path, capsys):
+    """scripts/quantize.py's file read with --quantized: the same image as --precision fp8 quantizing the folder's
+    bf16 transformer as it loads (the same quantization of the same weights); misuse exits with one line."""
+    qspec = importlib.util.spec_from_file_location("quantize", Path(__file__).parent.parent / "scripts" / "quantize.py")
+    quantize = importlib.util.module_from_spec(qspec)
+    qspec.loader.exec_module(quantize)
+    folder, qfile = FIXTURES / "krea2" / "tiny_pipeline", tmp_path / "transformer_fp8.safetensors"
+    assert quantize.main(["--model", str(folder / "transformer"), "--format", "fp8_e4m3", "--output", str(qfile)]) == 0
+    common = ["--model", str(folder), "--prompt", "a cat", "--height", "64", "--width", "64", "--steps", "2",
+              "--max-sequence-length", "16"]
+    code, captured = run(common + ["--quantized", str(qfile), "--output", str(tmp_path / "q.png")], capsys)
+    assert code == 0, captured.err
+    code, captured = run(common + ["--precision", "fp8", "--output", str(tmp_path / "p.png")], capsys)
+    assert code == 0, captured.err
+    np.testing.assert_array_equal(np.asarray(Image.open(tmp_path / "q.png")), np.asarray(Image.open(tmp_path / "p.png")))
+    for extra, message in ((["--precision", "mxfp4"], "--quantized with --precision"),
+                           (["--offload", "1"], "--quantized with --offload")):
+        code, captured = run(common + ["--quantized", str(qfile), *extra, "--output", str(tmp_path / "x.png")], capsys)
+        assert code == 2 and message in captured.err
+    code, captured = run(common + ["--quantized", str(tmp_path / "none.safetensors"), "--output",
+                                   str(tmp_path / "y.png")], capsys)
+    assert code == 2 and "none.safetensors: no such file" in captured.err
+
+
 def test_offload_streams_blocks_and_refuses_what_it_does_not_cover(tmp_path, capsys):
     out = tmp_path / "o.png"
     code, captured = run(["--model", str(FIXTURES / "krea2" / "tiny_pipeline"), "--prompt", "a cat", "--height", "64",

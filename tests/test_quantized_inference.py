@@ -130,3 +130,46 @@ def test_gated_residual_in_the_gemm_epilogue(batch, monkeypatch):
     out = linear.gated_residual(x, residual, gate)
     assert calls == [batch == 1]
     np.testing.assert_allclose(np.asarray(out), np.asarray(residual + gate * linear(x)), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("precision", ["fp8", "mxfp6"])
+def test_quantized_checkpoint_loads_straight_into_kernel_weights(tiny, tmp_path, precision):
+    """A checkpoint written by `quant.model.save_quantized` (scripts/quantize.py) loads with its matrices as the
+    GEMM kernels' weights (`load_quantized_model`): the model quantizing the bf16 checkpoint as it loads makes."""
+    from mxdit.model.layers import load_quantized_model, quantize_on_load
+    from mxdit.model.loading import place_parameters
+    from mxdit.quant.model import save_quantized
+
+    model, inputs = tiny
+    rules = krea2_rules(PRECISIONS[precision])
+    path = tmp_path / "transformer.safetensors"
+    save_quantized(quantize_model(dict(iter_params(model)), rules), path)
+    loaded = load_quantized_model(lambda: Krea2Transformer(model.config, dtype=jnp.float32, rngs=nnx.Rngs(0)), path)
+    assert isinstance(loaded.transformer_blocks[0].ff.down.weight.get_value(), GemmWeight)
+    with place_parameters(quantize_on_load(rules)):
+        on_load = Krea2Transformer.from_pretrained(FIXTURES / "krea2" / "tiny", jnp.float32)
+    for (key, a), (_, b) in zip(iter_params(loaded), iter_params(on_load), strict=True):
+        for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+            np.testing.assert_array_equal(np.asarray(x), np.asarray(y), err_msg=key)
+    out, expected = (np.asarray(jax.jit(lambda *a, m=m: m(*a))(*inputs)) for m in (loaded, on_load))
+    np.testing.assert_array_equal(out, expected)
+
+
+def test_bad_quantized_checkpoints_are_named(tiny, tmp_path):
+    from mxdit.model.layers import load_quantized_model
+    from mxdit.model.loading import CheckpointError
+    from mxdit.quant.model import save_quantized
+
+    model, _ = tiny
+    build = lambda: Krea2Transformer(model.config, dtype=jnp.float32, rngs=nnx.Rngs(0))  # noqa: E731
+    params = dict(iter_params(model))
+    with pytest.raises(CheckpointError, match="nothere.safetensors: no such file"):
+        load_quantized_model(build, tmp_path / "nothere.safetensors")
+    nvfp4 = tmp_path / "nvfp4.safetensors"
+    save_quantized(quantize_model(params, krea2_rules("nvfp4")), nvfp4)
+    with pytest.raises(CheckpointError, match=r"nvfp4.safetensors: .* 48 quantized tensors the GEMM kernels do not take \(text_fusion.*: nvfp4"):
+        load_quantized_model(build, nvfp4)
+    partial = tmp_path / "partial.safetensors"
+    save_quantized({k: v for k, v in params.items() if k != "img_in.weight"}, partial)
+    with pytest.raises(CheckpointError, match=r"partial.safetensors.*missing keys \(1\): img_in.weight"):
+        load_quantized_model(build, partial)
