@@ -194,14 +194,19 @@ class Krea2Pipeline:
         ids = jnp.asarray(np.concatenate([np.zeros((embeds.shape[1], 3), np.float32), image_position_ids(grid_h, grid_w)]))
 
         t0 = time.perf_counter()
-        # cached_partial: traverse the model's graph once, not per step
-        step = self.denoise_step_fn or nnx.cached_partial(denoise_step, self.transformer)
-        for i in range(steps):
-            t = np.float32(timesteps[i]) / np.float32(NUM_TRAIN_TIMESTEPS)
-            latents = step(latents, embeds, mask, ids, jnp.float32(t), jnp.float32(sigmas[i]),
-                           jnp.float32(sigmas[i + 1]), jnp.float32(guidance), cfg)
-            if callback is not None:
-                callback(i, float(timesteps[i]), latents)
+        times = np.asarray(timesteps, np.float32) / np.float32(NUM_TRAIN_TIMESTEPS)
+        if callback is None and self.denoise_step_fn is None:
+            # Nothing to report between steps: the whole loop is one program (no dispatch or host work per step).
+            latents = denoise_loop(self.transformer, latents, embeds, mask, ids, jnp.asarray(times),
+                                   jnp.asarray(sigmas, jnp.float32), jnp.float32(guidance), cfg)
+        else:
+            # cached_partial: traverse the model's graph once, not per step
+            step = self.denoise_step_fn or nnx.cached_partial(denoise_step, self.transformer)
+            for i in range(steps):
+                latents = step(latents, embeds, mask, ids, jnp.float32(times[i]), jnp.float32(sigmas[i]),
+                               jnp.float32(sigmas[i + 1]), jnp.float32(guidance), cfg)
+                if callback is not None:
+                    callback(i, float(timesteps[i]), latents)
         latents = jax.block_until_ready(latents)
         timings["denoise"] = time.perf_counter() - t0
 
@@ -226,8 +231,7 @@ def _fuse_text(model: Krea2Transformer, embeds, mask):
     return model.fuse_text(embeds, mask)
 
 
-@nnx.jit(static_argnames=("cfg",))
-def denoise_step(model: Krea2Transformer, latents, embeds, mask, ids, t, sigma, sigma_next, guidance, cfg: bool):
+def _denoise_step(model: Krea2Transformer, latents, embeds, mask, ids, t, sigma, sigma_next, guidance, cfg: bool):
     """One Euler step; with CFG the batch of embeds holds [conditional; unconditional]. Compiled once per shape: the
     step's time and sigmas are traced values.
 
@@ -238,6 +242,23 @@ def denoise_step(model: Krea2Transformer, latents, embeds, mask, ids, t, sigma, 
     x = jnp.concatenate([latents, latents]) if cfg else latents
     velocity = model(x.astype(model.dtype), embeds, jnp.full((x.shape[0],), t, jnp.float32), ids, mask)
     return guided_euler_step(latents, velocity, sigma, sigma_next, guidance, cfg)
+
+
+denoise_step = nnx.jit(_denoise_step, static_argnames=("cfg",))
+
+
+@nnx.jit(static_argnames=("cfg",))
+def denoise_loop(model: Krea2Transformer, latents, embeds, mask, ids, times, sigmas, guidance, cfg: bool):
+    """All of `denoise_step`'s steps in one program: times (steps,) flow times, sigmas (steps + 1,). The pipeline
+    runs this when no callback wants the latents between steps. Compiled once per shape and step count."""
+
+    graphdef, state = nnx.split(model)
+
+    def body(i, latents):  # the model rebuilt inside the loop's trace (a module cannot cross trace levels)
+        return _denoise_step(nnx.merge(graphdef, state), latents, embeds, mask, ids, times[i], sigmas[i],
+                             sigmas[i + 1], guidance, cfg)
+
+    return jax.lax.fori_loop(0, times.shape[0], body, latents)
 
 
 def guided_euler_step(latents, velocity, sigma, sigma_next, guidance, cfg: bool):

@@ -342,6 +342,11 @@ def default_mosaic_config(m: int, n: int, k: int, block_scaled: bool) -> MosaicC
         return MosaicConfig(tile_m=64, tile_n=128, max_concurrent_steps=4, compute_wgs=3 if m % 192 == 0 else 2)
     if m <= 2048:  # more, smaller tiles fill the 132 SMs better (1302 vs 1148 TFLOP/s at M = 1024)
         return MosaicConfig(tile_m=64, tile_n=128, max_concurrent_steps=4)
+    if m % 256:
+        # 256-row CTAs would pad M (Krea 2 with trimmed text: 4096 + 128 = 4224 rows) and copy x, the residual and
+        # the output around the kernel. 64-row tiles in 3 (or 2) warpgroups divide it: at M = 4224, 1298 vs 1251
+        # TFLOP/s (N = 15360) and 1262 vs 1065 (16384 -> 6144 with the residual epilogue), NOTES.md session 5.
+        return MosaicConfig(tile_m=64, tile_n=128, max_concurrent_steps=4, compute_wgs=3 if m % 192 == 0 else 2)
     return MosaicConfig(tile_m=128, tile_n=128, max_concurrent_steps=3)
 
 

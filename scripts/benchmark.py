@@ -466,6 +466,8 @@ def jax_krea2_pipeline(args) -> list[dict]:
     from mxdit.model.vae_qwenimage import QwenImageVAE, QwenImageVAEConfig
     from mxdit.quant.model import krea2_rules
 
+    cache_dir = os.environ.get("JAX_COMPILATION_CACHE_DIR")  # looked at before anything here compiles
+    cache = "from the compile cache" if cache_dir and any(Path(cache_dir).iterdir()) else "compiles"
     t0 = time.perf_counter()
     rngs = nnx.Rngs(0)
     pipe = Krea2Pipeline(
@@ -478,8 +480,6 @@ def jax_krea2_pipeline(args) -> list[dict]:
     jax.block_until_ready(nnx.state(pipe.transformer))
     print(json.dumps({"jax_pipeline_init_s": time.perf_counter() - t0}), flush=True)
     base = pipe.transformer
-    cache_dir = os.environ.get("JAX_COMPILATION_CACHE_DIR")
-    cache = "from the compile cache" if cache_dir and any(Path(cache_dir).iterdir()) else "compiles"
     rows = []
     for precision in args.precisions:
         transformer = nnx.clone(base) if precision != "bf16" else base

@@ -110,7 +110,7 @@ def test_seeded_noise_is_reproducible(pipe):
 def test_denoising_loop_compiles_once_and_calls_back_every_step(pipe, caplog):
     seen = []
     kwargs = dict(height=HEIGHT, width=WIDTH, max_sequence_length=MAX_LEN, output_type="latent")
-    pipe("a dog", num_inference_steps=1, **kwargs)  # compile for this shape
+    pipe("a dog", num_inference_steps=1, callback=lambda *a: None, **kwargs)  # compile the step for this shape
     with jax.log_compiles(True), caplog.at_level(logging.WARNING):
         pipe("a dog", num_inference_steps=5, callback=lambda i, t, x: seen.append((i, t, x.shape)), **kwargs)
     assert [s[0] for s in seen] == [0, 1, 2, 3, 4]
@@ -174,3 +174,16 @@ def test_tokenizer_truncates_and_pads_to_max_length():
     ids, mask = tokenizer(["a red fox", "a"], max_length=2)
     assert ids.shape == (2, 2) and mask.tolist() == [[True, True], [True, False]]
     assert ids[1, 1] == tokenizer.pad_token_id
+
+
+def test_loop_in_one_program_gives_the_stepwise_latents(pipe):
+    """Without a callback the steps run as one program (`denoise_loop`): the latents of the loop stepped from the
+    host (what a callback sees), with CFG too."""
+    for guidance in (0.0, 4.5):
+        kwargs = dict(height=HEIGHT, width=WIDTH, num_inference_steps=3, guidance_scale=guidance, seed=2,
+                      max_sequence_length=MAX_LEN, output_type="latent")
+        seen = []
+        stepwise = pipe("a dog", callback=lambda i, t, x: seen.append(i), **kwargs).latents
+        looped = pipe("a dog", **kwargs).latents
+        assert seen == [0, 1, 2]
+        np.testing.assert_allclose(looped, stepwise, rtol=0, atol=1e-5)
