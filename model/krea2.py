@@ -23,8 +23,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from .layers import (Linear, apply_rotary, attention, attention_implementation, int8_attention_from_projections,
-                     remat_call, rotary_tables, shard_activation, stacked_linear)
+from .layers import (FP8Activations, Linear, apply_rotary, attention, attention_implementation, fp8_input_backend,
+                     fused_fp8_producer, int8_attention_from_projections, remat_call, rotary_tables, shard_activation,
+                     stacked_linear)
 from .loading import CheckpointError, config_from_dict, load_state, open_checkpoint, read_json
 
 AttentionImpl = Literal["xla", "cudnn", "int8", "int8_mosaic"]
@@ -110,6 +111,10 @@ class Attention(nnx.Module):
         self.to_out = nnx.List([Linear(dim, dim, bias=False, dtype=dtype, rngs=rngs)])
         self.to_qkvg = nnx.data(None)  # `stack_projections`: Q, K, V and the gate as one Linear (inference)
 
+    def input_layers(self) -> list[Linear]:
+        """The layers that take the attention's input."""
+        return [self.to_qkvg] if self.to_qkvg is not None else [self.to_q, self.to_k, self.to_v, self.to_gate]
+
     def stack_projections(self) -> bool:
         """Replace to_q, to_k, to_v and to_gate by one Linear of their stacked weights (one product of x instead of
         four). For inference: the separate layers are gone afterwards. False when they cannot be stacked."""
@@ -167,6 +172,10 @@ class SwiGLU(nnx.Module):
         self.down = Linear(hidden_dim, dim, bias=False, dtype=dtype, rngs=rngs)
         self.gate_up = nnx.data(None)  # `stack_projections`: gate and up as one Linear (inference)
 
+    def input_layers(self) -> list[Linear]:
+        """The layers that take the block's input."""
+        return [self.gate_up] if self.gate_up is not None else [self.gate, self.up]
+
     def stack_projections(self) -> bool:
         """Replace gate and up by one Linear of their stacked weights (see `Attention.stack_projections`)."""
         if self.gate_up is not None:
@@ -179,11 +188,16 @@ class SwiGLU(nnx.Module):
     def __call__(self, x: jax.Array, residual: jax.Array | None = None,
                  residual_gate: jax.Array | None = None) -> jax.Array:
         """With `residual` and `residual_gate`: `residual + residual_gate * swiglu(x)` (see `Attention`)."""
-        if self.gate_up is not None:
+        backend = fp8_input_backend(self.down)
+        if self.gate_up is not None and backend is not None:
+            # silu(gate) * up and its FP8 quantization in one pass over the stacked product
+            gate_up = self.gate_up(x)
+            hidden = FP8Activations(*fused_fp8_producer("swiglu_fp8", backend)(gate_up), gate_up.dtype)
+        elif self.gate_up is not None:
             gate, up = jnp.split(self.gate_up(x), 2, axis=-1)
+            hidden = jax.nn.silu(gate) * up
         else:
-            gate, up = self.gate(x), self.up(x)
-        hidden = jax.nn.silu(gate) * up
+            hidden = jax.nn.silu(self.gate(x)) * self.up(x)
         if residual is not None:
             return self.down.gated_residual(hidden, residual, residual_gate)
         return self.down(hidden)
@@ -248,9 +262,21 @@ class TransformerBlock(nnx.Module):
         batch = temb_mod.shape[0]
         mod = temb_mod.reshape(batch, 1, 6, -1) + self.scale_shift_table[...]
         prescale, preshift, pregate, postscale, postshift, postgate = (mod[:, :, i] for i in range(6))
-        x = self.attn((1.0 + prescale) * self.norm1(x) + preshift, rotary, kv_lengths, implementation,
-                      residual=x, residual_gate=pregate)
-        return self.ff((1.0 + postscale) * self.norm2(x) + postshift, residual=x, residual_gate=postgate)
+        x = self.attn(_adaptive_norm(self.norm1, x, prescale, preshift, self.attn.input_layers()), rotary,
+                      kv_lengths, implementation, residual=x, residual_gate=pregate)
+        return self.ff(_adaptive_norm(self.norm2, x, postscale, postshift, self.ff.input_layers()), residual=x,
+                       residual_gate=postgate)
+
+
+def _adaptive_norm(norm: RMSNorm, x, scale, shift, consumers: list[Linear]):
+    """`(1 + scale) * norm(x) + shift`; for layers that multiply FP8 activations, quantized in the same pass
+    (pallas_kernels/activations.py), so the normalised tensor is never written out in x's dtype."""
+    backend = fp8_input_backend(*consumers)
+    if backend is None:
+        return (1.0 + scale) * norm(x) + shift
+    values, scales = fused_fp8_producer("modulated_rms_norm_fp8", backend)(x, norm.weight[...], scale, shift,
+                                                                           eps=norm.eps)
+    return FP8Activations(values, scales, x.dtype)
 
 
 class TimestepEmbedding(nnx.Module):

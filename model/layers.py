@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from pathlib import Path
 
@@ -96,6 +97,45 @@ def shard_activation(x: jax.Array, *axes: str | None) -> jax.Array:
     return jax.lax.with_sharding_constraint(x, spec(*(rules.get(a, spec.UNCONSTRAINED) if a else None for a in axes)))
 
 
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["values", "scales"], meta_fields=["dtype"])
+@dataclasses.dataclass(frozen=True)
+class FP8Activations:
+    """A Linear layer's input already quantized for the GEMM kernels by a fused producer (pallas_kernels/activations):
+    values (..., k') FP8 E4M3 (k' = k padded to 128), scales (...) float32 per token; `dtype`: the product's dtype.
+    Only a layer for which `fp8_input_backend` is not None takes it."""
+
+    values: jax.Array
+    scales: jax.Array
+    dtype: jnp.dtype
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.values.shape
+
+
+def fp8_input_backend(*layers: "Linear") -> str | None:
+    """How a fused producer makes the input of `layers` (which share it): "triton" on a GPU, "reference" elsewhere;
+    None when one of them does not multiply FP8 activations (bf16 or INT8 weights, or an adapter that needs the
+    unquantized input)."""
+    from mxdit.pallas_kernels.gemm import FORMATS
+
+    for layer in layers:
+        weight = layer.weight.get_value()
+        if not _is_gemm_weight(weight) or layer.lora is not None or FORMATS[weight.fmt].kind == "int8":
+            return None
+    return "triton" if jax.default_backend() == "gpu" else "reference"
+
+
+def fused_fp8_producer(name: str, backend: str):
+    """`pallas_kernels.activations.<name>` ("modulated_rms_norm_fp8", "swiglu_fp8") for `backend`: the kernel under
+    its own jit on the GPU (see `_jitted_kernel`), the jnp reference elsewhere."""
+    if backend == "triton":
+        return functools.partial(_jitted_kernel(name), backend="triton")
+    from mxdit.pallas_kernels import activations
+
+    return functools.partial(getattr(activations, name), backend=backend)
+
+
 class Linear(nnx.Module):
     """`y = x @ weight.T + bias`, with `weight` of shape `(out_features, in_features)`.
 
@@ -121,6 +161,8 @@ class Linear(nnx.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         """x: (..., in_features) -> (..., out_features)."""
         weight = self.weight.get_value()
+        if isinstance(x, FP8Activations):  # quantized by a fused producer: only the GEMM kernels take it
+            return _kernel_matmul(x, weight, None if self.bias is None else self.bias[...])
         if _is_gemm_weight(weight):  # a low-precision weight for the GEMM kernels (`quantize_linear_layers`)
             y = _kernel_matmul(x, weight, None if self.bias is None else self.bias[...])
             return y if self.lora is None else self.lora(x, y)
@@ -143,7 +185,7 @@ class Linear(nnx.Module):
         (batch, 1, out). With a kernel weight and one image in the batch, inside the GEMM's epilogue (float32, one
         rounding), so the product is never written out and read back."""
         weight = self.weight.get_value()
-        if _is_gemm_weight(weight) and x.shape[0] == 1 and self.lora is None:
+        if x.shape[0] == 1 and (isinstance(x, FP8Activations) or (_is_gemm_weight(weight) and self.lora is None)):
             bias = None if self.bias is None else self.bias[...]
             return _kernel_matmul(x, weight, bias, residual=residual, gate=gate.reshape(-1))
         return residual + gate * self(x)
@@ -194,14 +236,16 @@ def _jitted_kernel(name: str):
     """A Pallas kernel entry point under its own `jax.jit`: inside a model's program every call of one shape then
     lowers to one shared function, so each kernel is compiled once, not once per layer (196 GEMM calls in a Krea 2
     step: the difference between seconds and minutes of compilation)."""
+    from mxdit.pallas_kernels import activations, gemm
     from mxdit.pallas_kernels import attention as attention_kernels
-    from mxdit.pallas_kernels import gemm
 
     function, static = {
         "scaled_matmul": (gemm.scaled_matmul, ("x_scaling", "activation", "out_dtype", "backend", "config",
                                                "interpret")),
         "int8_attention": (attention_kernels.int8_attention, ("pv", "block_q", "block_k", "scale", "interpret",
                                                               "num_warps", "num_stages", "backend", "out_dtype")),
+        "modulated_rms_norm_fp8": (activations.modulated_rms_norm_fp8, ("eps", "backend", "interpret")),
+        "swiglu_fp8": (activations.swiglu_fp8, ("backend", "interpret")),
         "int8_attention_fused": (attention_kernels.int8_attention_fused, (
             "eps", "pv", "block_q", "block_k", "scale", "interpret", "num_warps", "num_stages", "backend",
             "out_dtype")),
@@ -215,8 +259,11 @@ def _kernel_matmul(x: jax.Array, weight, bias: jax.Array | None, residual: jax.A
     fly), in x's dtype; with `residual` (..., n) and `gate` (n,): `residual + gate * product` in the epilogue."""
     lead = x.shape[:-1]
     residual = None if residual is None else residual.reshape(-1, weight.n)
-    y = _jitted_kernel("scaled_matmul")(x.reshape(-1, x.shape[-1]), weight, bias=bias, residual=residual, gate=gate,
-                                        out_dtype=x.dtype, backend=gemm_backend(weight))
+    x_scale, out_dtype = None, x.dtype
+    if isinstance(x, FP8Activations):
+        x, x_scale = x.values, x.scales.reshape(-1)
+    y = _jitted_kernel("scaled_matmul")(x.reshape(-1, x.shape[-1]), weight, x_scale, bias=bias, residual=residual,
+                                        gate=gate, out_dtype=out_dtype, backend=gemm_backend(weight))
     return y.reshape(*lead, weight.n)
 
 

@@ -173,3 +173,30 @@ def test_bad_quantized_checkpoints_are_named(tiny, tmp_path):
     save_quantized({k: v for k, v in params.items() if k != "img_in.weight"}, partial)
     with pytest.raises(CheckpointError, match=r"partial.safetensors.*missing keys \(1\): img_in.weight"):
         load_quantized_model(build, partial)
+
+
+@pytest.mark.parametrize("precision", ["fp8", "mxfp4", "int8"])
+def test_fused_fp8_producers_feed_the_kernel_weights(tiny, monkeypatch, precision):
+    """With FP8-activation kernel weights, each joint block's two adaptive norms and (stacked) SwiGLU quantize their
+    output in the same pass (pallas_kernels/activations.py; here its reference): the velocity of the unfused
+    path. INT8 weights take INT8 activations: nothing fused."""
+    from mxdit.model import krea2
+    from mxdit.model.krea2 import stack_projections
+
+    model, inputs = tiny
+    kernels = nnx.clone(model)
+    quantize_linear_layers(kernels, krea2_rules(PRECISIONS[precision]), kernels=True)
+    stack_projections(kernels)
+    calls = []
+    producer = krea2.fused_fp8_producer
+    monkeypatch.setattr(krea2, "fused_fp8_producer", lambda name, backend: calls.append(name) or producer(name, backend))
+    fused = np.asarray(kernels(*inputs))
+    # the joint blocks' norms; every stacked SwiGLU (joint and text-fusion blocks; the tiny MX weights do not stack)
+    stacked = sum(1 for _, m in nnx.iter_graph(kernels) if isinstance(m, krea2.SwiGLU) and m.gate_up is not None)
+    norms = 2 * len(kernels.transformer_blocks)
+    expected = {} if precision == "int8" else {"modulated_rms_norm_fp8": norms, "swiglu_fp8": stacked}
+    assert {name: calls.count(name) for name in set(calls)} == {k: v for k, v in expected.items() if v}
+    assert precision != "fp8" or stacked == sum(1 for _, m in nnx.iter_graph(kernels) if isinstance(m, krea2.SwiGLU))
+    monkeypatch.setattr(krea2, "fp8_input_backend", lambda *layers: None)
+    unfused = np.asarray(kernels(*inputs))
+    np.testing.assert_allclose(fused, unfused, rtol=0, atol=1e-5 * np.abs(unfused).max())

@@ -1,0 +1,187 @@
+"""FP8 activations made in one pass with what produces them: the inputs of the DiT's low-precision GEMMs.
+
+A quantized GEMM takes its activations as FP8 E4M3 values with one float32 scale per token
+(`gemm.quantize_activations`). Computed apart, the quantization reads the activations twice (the row's amax, then the
+values) after the producer wrote them: on a Krea 2 block at 4224 tokens the profile shows ~95 us for RMSNorm +
+modulation + quantization and ~225 us for SwiGLU + quantization (NOTES.md, session 5), several passes over tensors of
+52-277 MB. Here each row is read once, kept in registers, and written once as FP8:
+
+- `modulated_rms_norm_fp8`: `(1 + scale) * rmsnorm(x) + shift` (the DiT's adaptive norm before attention and SwiGLU).
+- `swiglu_fp8`: `silu(gate) * up` from the stacked gate/up product (the input of SwiGLU's down projection).
+
+Each computes what the models compute, in their order and rounding (float32 norm cast to x's dtype; modulation in x's
+dtype; SwiGLU rounded as PyTorch rounds it), then `gemm.quantize_activations`' rule. `backend="reference"` is that
+composition in jnp (what runs off the GPU, and what the tests compare the kernel with); `backend="triton"` the Pallas
+kernel (Triton lowering: one program per row; rows that a power-of-two chunk of 16 to 2048 values divides).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .gemm import BLOCK_K, quantize_activations
+
+FP8_MAX = 448.0
+CHUNK = 2048  # the widest power of two a row is loaded in (Triton's loads take power-of-two sizes)
+
+
+def _chunk(d: int) -> int:
+    c = CHUNK
+    while d % c:
+        c //= 2
+    if c < 16:
+        raise ValueError(f"row length {d} needs a power-of-two divisor of at least 16")
+    return c
+
+
+def _round(x: jax.Array, dtype) -> jax.Array:
+    """x rounded to `dtype` and back to float32: the rounding a model step in `dtype` applies."""
+    return x.astype(dtype).astype(jnp.float32)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# The definitions
+
+
+def modulated_rms_norm(x, norm_weight, scale, shift, eps: float):
+    """What the models compute: RMSNorm in float32 with the zero-centred weight, cast to x's dtype, then
+    `(1 + scale) * norm + shift` in x's dtype. x (batch, seq, d); scale, shift (batch, 1, d)."""
+    x32 = x.astype(jnp.float32)
+    inv = jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    norm = (x32 * inv * (1.0 + norm_weight)).astype(x.dtype)
+    return (1.0 + scale) * norm + shift
+
+
+def swiglu(gate_up: jax.Array) -> jax.Array:
+    """`silu(gate) * up` of the stacked product [gate | up] along the last axis, rounded to its dtype after silu and
+    after the product, each computed in float32: PyTorch's arithmetic for bf16 tensors (diffusers' model). XLA's bf16
+    `jax.nn.silu` rounds differently (its logistic), so the models' unfused path agrees with this to bf16 rounding."""
+    gate, up = jnp.split(gate_up.astype(jnp.float32), 2, axis=-1)
+    silu = _round(gate * jax.nn.sigmoid(gate), gate_up.dtype)
+    return (silu * up).astype(gate_up.dtype)
+
+
+def _quantized_rows(y: jax.Array) -> tuple[jax.Array, jax.Array]:
+    lead = y.shape[:-1]
+    values, scales = quantize_activations(y.reshape(-1, y.shape[-1]))
+    return values.reshape(*lead, -1), scales.reshape(lead)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# The entry points
+
+
+def modulated_rms_norm_fp8(x, norm_weight, scale, shift, eps: float, *, backend: str = "triton",
+                           interpret: bool = False) -> tuple[jax.Array, jax.Array]:
+    """`modulated_rms_norm` quantized to FP8 E4M3 per token: (values (batch, seq, d'), scales (batch, seq) float32),
+    d' = d padded to a multiple of 128 with zeros (as `gemm.quantize_activations` gives the GEMM its input).
+    x (batch, seq, d) in a 16- or 32-bit float; norm_weight (d,); scale, shift (batch, 1, d) or (1, 1, d)."""
+    b, s, d = x.shape
+    scale = jnp.broadcast_to(scale, (b, 1, d))
+    shift = jnp.broadcast_to(shift, (b, 1, d))
+    if backend == "reference":
+        return _quantized_rows(modulated_rms_norm(x, norm_weight, scale, shift, eps))
+    if backend != "triton":
+        raise ValueError(f"backend must be 'triton' or 'reference', got {backend!r}")
+    from jax.experimental import pallas as pl
+
+    c, dtype = _chunk(d), x.dtype
+    n_chunks = d // c
+    weight = (1.0 + norm_weight.astype(jnp.float32)).reshape(1, d)
+    # 1 + scale as the model rounds it (in x's dtype), once here instead of in every row
+    one_plus = (1.0 + scale).astype(dtype).reshape(b, d)
+    shift = shift.reshape(b, d)
+
+    def kernel(x_ref, w_ref, a_ref, sh_ref, q_ref, s_ref):
+        chunks = [x_ref[:, pl.ds(i * c, c)].astype(jnp.float32) for i in range(n_chunks)]  # (1, c) each
+        ss = sum(jnp.sum(v * v) for v in chunks)
+        inv = jax.lax.rsqrt(ss / d + eps)
+        ys, amax = [], jnp.float32(0.0)
+        for i, v in enumerate(chunks):
+            norm = _round(v * inv * w_ref[:, pl.ds(i * c, c)], dtype)
+            y = _round(a_ref[:, pl.ds(i * c, c)].astype(jnp.float32) * norm, dtype)
+            y = _round(y + sh_ref[:, pl.ds(i * c, c)].astype(jnp.float32), dtype)
+            ys.append(y)
+            amax = jnp.maximum(amax, jnp.max(jnp.abs(y)))
+        _store_fp8_row(ys, amax, c, q_ref, s_ref)
+
+    specs = [_row_spec(d), _vec_spec(d, batched=False), _vec_spec(d), _vec_spec(d)]
+    return _row_call(kernel, b, s, d, interpret, specs, x, weight, one_plus, shift)
+
+
+def swiglu_fp8(gate_up: jax.Array, *, backend: str = "triton", interpret: bool = False) -> tuple[jax.Array, jax.Array]:
+    """`swiglu(gate_up)` quantized to FP8 E4M3 per token: gate_up (batch, seq, 2h) -> (values (batch, seq, h'),
+    scales (batch, seq) float32), h' = h padded to a multiple of 128 (see `modulated_rms_norm_fp8`)."""
+    b, s, d2 = gate_up.shape
+    h = d2 // 2
+    if backend == "reference":
+        return _quantized_rows(swiglu(gate_up))
+    if backend != "triton":
+        raise ValueError(f"backend must be 'triton' or 'reference', got {backend!r}")
+    c, dtype = _chunk(h), gate_up.dtype
+    n_chunks = h // c
+    from jax.experimental import pallas as pl
+
+    def kernel(gu_ref, q_ref, s_ref):
+        ys, amax = [], jnp.float32(0.0)
+        for i in range(n_chunks):
+            g = gu_ref[:, pl.ds(i * c, c)].astype(jnp.float32)
+            u = gu_ref[:, pl.ds(h + i * c, c)].astype(jnp.float32)
+            y = _round(_round(g / (1.0 + jnp.exp(-g)), dtype) * u, dtype)  # as `swiglu`
+            ys.append(y)
+            amax = jnp.maximum(amax, jnp.max(jnp.abs(y)))
+        _store_fp8_row(ys, amax, c, q_ref, s_ref)
+
+    return _row_call(kernel, b, s, h, interpret, [_row_spec(d2)], gate_up)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Shared kernel parts
+
+
+def _store_fp8_row(ys, amax, c, q_ref, s_ref):
+    """`gemm._fp8_e4m3_rows`' rule for one row held as chunks: scale amax / 448 (1 for a zero row; NaN, with zeroed
+    values, for a row holding NaN or Inf)."""
+    from jax.experimental import pallas as pl
+
+    finite = amax <= np.float32(np.finfo(np.float32).max)  # False for Inf and NaN
+    step = jnp.where(amax > 0, amax * np.float32(1.0 / FP8_MAX), 1.0)
+    for i, y in enumerate(ys):
+        q = jnp.where(finite, jnp.clip(y / step, -FP8_MAX, FP8_MAX), 0.0)
+        q_ref[:, pl.ds(i * c, c)] = q.astype(q_ref.dtype)
+    s_ref[...] = jnp.where(finite, step, jnp.nan).reshape(s_ref.shape)
+
+
+def _row_spec(d: int):
+    from jax.experimental import pallas as pl
+
+    return pl.BlockSpec((None, 1, d), lambda bi, si: (bi, si, 0))
+
+
+def _vec_spec(d: int, batched: bool = True):
+    from jax.experimental import pallas as pl
+
+    return pl.BlockSpec((1, d), (lambda bi, si: (bi, 0)) if batched else (lambda bi, si: (0, 0)))
+
+
+def _row_call(kernel, b: int, s: int, d_out: int, interpret: bool, in_specs, *args):
+    """A program per row (batch, token) writing d_out FP8 values and the row's scale."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import triton as pltriton
+
+    values, scales = pl.pallas_call(
+        kernel,
+        grid=(b, s),
+        in_specs=in_specs,
+        out_specs=[pl.BlockSpec((None, 1, d_out), lambda bi, si: (bi, si, 0)),
+                   pl.BlockSpec((None, 1, 1), lambda bi, si: (bi, si, 0))],
+        out_shape=[jax.ShapeDtypeStruct((b, s, d_out), jnp.float8_e4m3fn),
+                   jax.ShapeDtypeStruct((b, s, 1), jnp.float32)],
+        # 8 warps: a row of up to 16384 values is ~64 float32 registers a thread
+        compiler_params=pltriton.CompilerParams(num_warps=8, num_stages=1),
+        interpret=interpret,
+    )(*args)
+    pad = (-d_out) % BLOCK_K  # the GEMM takes K padded to whole 128-blocks, as `quantize_activations` gives it
+    return (jnp.pad(values, ((0, 0), (0, 0), (0, pad))) if pad else values), scales[..., 0]

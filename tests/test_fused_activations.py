@@ -1,0 +1,99 @@
+"""FP8 activations fused with their producer (pallas_kernels/activations.py): the Triton kernels in interpret mode
+against the jnp reference, and the reference against the models' own arithmetic."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from mxdit.pallas_kernels import activations as A
+from mxdit.pallas_kernels.gemm import quantize_activations
+
+
+def _inputs(d, dtype=jnp.bfloat16, batch=2, seq=5):
+    k = jax.random.split(jax.random.key(d), 4)
+    x = jax.random.normal(k[0], (batch, seq, d)) * 3
+    x = x.at[0, 1].set(0.0).at[1, 2, 7].set(300.0)  # a zero row; an outlier
+    return (x.astype(dtype), jax.random.normal(k[1], (d,)) * 0.1,
+            (jax.random.normal(k[2], (batch, 1, d)) * 0.3).astype(dtype),
+            (jax.random.normal(k[3], (batch, 1, d)) * 0.3).astype(dtype))
+
+
+def _same(a, b, exact=True):
+    """Equal FP8 values and scales; not `exact` (float32 models): scales within an ulp or two (a fused multiply-add
+    may round once where the other rounds twice), values equal but for a rare rounding tie."""
+    va, vb = np.asarray(a[0].astype(jnp.float32)), np.asarray(b[0].astype(jnp.float32))
+    if exact:
+        np.testing.assert_array_equal(va, vb)
+        np.testing.assert_array_equal(np.asarray(a[1]), np.asarray(b[1]))
+    else:
+        assert np.mean(va == vb) >= 0.99
+        np.testing.assert_allclose(np.asarray(a[1]), np.asarray(b[1]), rtol=1e-6)
+
+
+@pytest.mark.parametrize("d, dtype", [(96, jnp.bfloat16), (256, jnp.bfloat16), (96, jnp.float32)])
+def test_modulated_norm_kernel_equals_reference(d, dtype):
+    """Rows whose length is not a power of two (96 = 3 chunks of 32) and per-image modulation: bit-equal values and
+    scales; the zero row gets scale 1 and zeros."""
+    args = _inputs(d, dtype)
+    kernel = A.modulated_rms_norm_fp8(*args, 1e-5, interpret=True)
+    reference = A.modulated_rms_norm_fp8(*args, 1e-5, backend="reference")
+    _same(kernel, reference, exact=dtype == jnp.bfloat16)
+    assert kernel[0].dtype == jnp.float8_e4m3fn and kernel[0].shape == (2, 5, -(-d // 128) * 128) and kernel[1].shape == (2, 5)
+
+
+def test_modulated_norm_reference_is_the_models_arithmetic():
+    """The reference is Krea 2's adaptive norm (RMSNorm module, then `(1 + scale) * norm + shift`) quantized by
+    `quantize_activations`, bit for bit."""
+    from mxdit.model.krea2 import RMSNorm
+
+    x, w, scale, shift = _inputs(128)
+    norm = RMSNorm(128, 1e-5)
+    norm.weight.set_value(w)
+    model = (1.0 + scale) * norm(x) + shift
+    values, scales = quantize_activations(model.reshape(-1, 128))
+    _same(A.modulated_rms_norm_fp8(x, w, scale, shift, 1e-5, backend="reference"),
+          (values.reshape(2, 5, 128), scales.reshape(2, 5)))
+
+
+@pytest.mark.parametrize("h", [64, 96])
+def test_swiglu_kernel_equals_reference(h):
+    gate_up = (jax.random.normal(jax.random.key(h), (2, 5, 2 * h)) * 3).astype(jnp.bfloat16)
+    gate_up = gate_up.at[1, 3].set(0.0)
+    kernel = A.swiglu_fp8(gate_up, interpret=True)
+    _same(kernel, A.swiglu_fp8(gate_up, backend="reference"))
+    assert kernel[0].shape == (2, 5, 128)
+    np.testing.assert_array_equal(np.asarray(kernel[1][1, 3]), 1.0)
+
+
+def test_swiglu_reference_agrees_with_the_model_within_bf16_rounding():
+    """PyTorch's rounding (silu in float32, rounded; the product rounded) against XLA's bf16 `jax.nn.silu(g) * u`:
+    both within bf16 rounding of the float32 value."""
+    gate_up = (jax.random.normal(jax.random.key(0), (1, 64, 512)) * 3).astype(jnp.bfloat16)
+    ours = A.swiglu(gate_up).astype(jnp.float32)
+    gate, up = jnp.split(gate_up, 2, axis=-1)
+    xla = (jax.nn.silu(gate) * up).astype(jnp.float32)
+    g32, u32 = gate.astype(jnp.float32), up.astype(jnp.float32)
+    exact = jax.nn.silu(g32) * u32
+    for y in (ours, xla):
+        assert float(jnp.max(jnp.abs(y - exact) / (jnp.abs(exact) + 1e-3))) < 2 ** -6
+    assert float(jnp.mean(jnp.abs(ours - exact))) <= float(jnp.mean(jnp.abs(xla - exact)))
+
+
+def test_non_finite_rows_get_a_nan_scale():
+    """A row holding Inf gets a NaN scale (what `quantize_activations` gives it: the GEMM output row is NaN, which
+    the quality gates count), the other rows are untouched."""
+    x, w, scale, shift = _inputs(64)
+    x = x.at[1, 4, 3].set(jnp.inf)
+    for backend in ("reference", "triton"):
+        _, scales = A.modulated_rms_norm_fp8(x, w, scale, shift, 1e-5, backend=backend, interpret=True)
+        assert np.isnan(float(scales[1, 4])) and np.isfinite(np.asarray(scales[0])).all()
+
+
+def test_bad_arguments_are_named():
+    x, w, scale, shift = _inputs(64)
+    with pytest.raises(ValueError, match="backend must be"):
+        A.modulated_rms_norm_fp8(x, w, scale, shift, 1e-5, backend="mosaic")
+    with pytest.raises(ValueError, match="row length 72 needs a power-of-two divisor"):
+        A.swiglu_fp8(jnp.ones((1, 2, 144), jnp.bfloat16), interpret=True)
