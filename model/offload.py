@@ -1,12 +1,15 @@
 """Weight streaming (`generate.py --offload`): a Krea 2 transformer on a GPU smaller than the model.
 
-The first `resident` joint blocks keep their weights on the device; the others live in pinned host memory and are
-copied to the device `prefetch` blocks ahead of their use, meant to overlap the blocks that run meanwhile. Each block
+The first `resident` joint blocks keep their weights on the device; the others live in pinned host memory. Each block
 runs as one compiled program (the blocks share one structure, so one compilation serves all), the embedding and the
-final layer as two more; dispatch is asynchronous, so the host queues the copies and the blocks in order. What the
-device waits for per step (the "exposed" transfer time) is the streamed step's time minus the all-resident one
-(`scripts/benchmark.py krea2-offload`). Measured on the H200 (NOTES.md): the copies do not overlap yet (79.7% of the
-step exposed with 10 of 28 blocks streamed).
+final layer as two more; the program of block i also copies block i + `prefetch`'s weights to the device, and XLA
+runs that copy beside the block's compute. What the device waits for per step (the "exposed" transfer time) is the
+streamed step's time minus the all-resident one (`scripts/benchmark.py krea2-offload`).
+
+Measured on the H200 (NOTES.md, session 5): a bf16 block (0.87 GB) crosses PCIe in 16.7 ms (52 GB/s) and computes in
+6.7 ms at 4224 tokens, so the copies overlap the compute but streamed blocks are copy-bound: 18 of 28 blocks resident
+under a 24 GB cap, 0.273 s a step against 0.187 all resident (31.7% exposed; 79.7% when each copy was its own
+`device_put` and the host waited per block). Some repeats ran far slower (spread 8.6x): not understood yet.
 """
 
 from __future__ import annotations
@@ -57,8 +60,8 @@ class StreamedKrea2:
         @jax.jit
         def block(rest_state, state, x, temb_mod, rotary, kv_lengths, ahead):
             # `ahead`: a later block's weights in host memory (or None). The program copies them to the device while
-            # the block computes (XLA runs a host-to-device copy with no use in the program beside the compute); a
-            # copy made outside, as its own transfer, went through the host at ~11 GB/s and did not overlap.
+            # the block computes: XLA runs a host-to-device copy that nothing in the program uses beside the compute
+            # (measured: a block and a copy together take the copy's time, not the sum).
             model = nnx.merge(self.rest_graph, rest_state)
             x = model.run_block(nnx.merge(self.block_graph, state), x, temb_mod, rotary, kv_lengths)
             return x, (None if ahead is None else jax.device_put(ahead, self.on_device))

@@ -13,6 +13,11 @@ Each computes what the models compute, in their order and rounding (float32 norm
 dtype; SwiGLU rounded as PyTorch rounds it), then `gemm.quantize_activations`' rule. `backend="reference"` is that
 composition in jnp (what runs off the GPU, and what the tests compare the kernel with); `backend="triton"` the Pallas
 kernel (Triton lowering: one program per row; rows that a power-of-two chunk of 16 to 2048 values divides).
+
+On the H200 at 4224 x 6144 / 4224 x 32768 (NOTES.md, session 5): the norm in 42 us (XLA's composition 85), 99.99998%
+of its codes equal to the reference; SwiGLU in 141 us (XLA 231), 96.9% of codes equal: on the GPU, XLA keeps float32
+where the reference rounds to bf16 (its default excess precision), so the two differ by code flips at FP8 rounding
+boundaries, each within the quantization step.
 """
 
 from __future__ import annotations
