@@ -499,6 +499,7 @@ def jax_krea2_pipeline(args) -> list[dict]:
         if transformer is not base:
             del transformer
     rows.append({"name": "jax peak", "peak_gb": (jax.devices()[0].memory_stats() or {}).get("peak_bytes_in_use", 0) / 1e9})
+    print(json.dumps(rows[-1]), flush=True)  # the parent reads the rows from this process's output
     return rows
 
 
@@ -555,6 +556,7 @@ def diffusers_krea2_pipeline(args) -> list[dict]:
             print(json.dumps(row), flush=True)
             rows.append(row)
     rows.append({"name": "diffusers peak", "peak_gb": torch.cuda.max_memory_allocated() / 1e9})
+    print(json.dumps(rows[-1]), flush=True)
     return rows
 
 
