@@ -253,10 +253,16 @@ _PLACEMENT: contextvars.ContextVar[Callable[[str, jax.Array], jax.Array] | None]
 
 
 @contextlib.contextmanager
-def place_parameters(place: Callable[[str, jax.Array], jax.Array]):
+def place_parameters(*places: Callable[[str, jax.Array], jax.Array]):
     """While active, every parameter `load_state` reads goes through `place(module_key, array)` as it arrives, one
-    tensor at a time: model/offload.py sends the streamed blocks straight to host memory, so a model larger than
-    the device loads at all."""
+    tensor at a time (through each of `places` in turn): model/offload.py sends the streamed blocks straight to host
+    memory, so a model larger than the device loads at all; `layers.quantize_on_load` quantizes block matrices."""
+
+    def place(key: str, value):
+        for step in places:
+            value = step(key, value)
+        return value
+
     token = _PLACEMENT.set(place)
     try:
         yield

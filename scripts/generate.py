@@ -58,7 +58,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                              "lowering; int8_mosaic: INT8-QK, Hopper)")
     parser.add_argument("--offload", type=int, default=None, metavar="RESIDENT",
                         help="Krea 2 on a GPU smaller than the model: keep RESIDENT joint blocks on the device and "
-                             "stream the others from host memory, loaded straight there (bf16 weights)")
+                             "stream the others from host memory, loaded straight there (in --precision's format)")
     parser.add_argument("--compile-cache", type=Path, default=Path.home() / ".cache" / "mxdit" / "jax",
                         help="JAX's persistent compilation cache, so that a second run starts fast ('' : off)")
     parser.add_argument("--tiled-decode", action="store_true", help="decode the VAE in tiles (large images)")
@@ -122,8 +122,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.offload is not None:
         if args.offload < 0:
             parser.error(f"--offload {args.offload}: the number of resident blocks must be >= 0")
-        for given, name in ((args.mesh is not None, "--mesh"), (args.precision != "bf16", "--precision"),
-                            (args.fuse_lora, "--fuse-lora")):
+        for given, name in ((args.mesh is not None, "--mesh"), (args.fuse_lora, "--fuse-lora")):
             if given:
                 parser.error(f"--offload with {name}: not supported together yet")
     args.dtype = args.dtype or ("fp32" if args.demo else "bf16")
@@ -168,25 +167,26 @@ def main(argv=None) -> int:
         if args.demo:
             pipe = demo_pipeline(Path(tempfile.mkdtemp(prefix="mxdit-demo-tokenizer-")), seed=0, dtype=dtype)
             print("mxdit demo: tiny Krea 2-shaped model with RANDOM weights -- the image is noise, not a picture.")
-        elif args.offload is not None:  # the streamed blocks go straight to host memory as they are read
-            from mxdit.model.loading import place_parameters
-            from mxdit.model.offload import streamed_block_placement
-
-            with place_parameters(streamed_block_placement(args.offload)):
-                pipe = load_pipeline(args.model, dtype=dtype)
         elif args.quantized is not None:
             pipe = load_pipeline(args.model, dtype=dtype, quantized_transformer=args.quantized)
-        elif args.precision != "bf16" and not args.fuse_lora:  # quantized as read: never all in bf16 on the device
-            from mxdit.model.layers import PRECISIONS, quantize_on_load
-            from mxdit.model.loading import place_parameters
-            from mxdit.quant.model import flux_rules, krea2_rules
-
-            fmt = PRECISIONS[args.precision]
-            # Both families' rules: each selects only its own blocks' matrices (the text encoders' keys match neither).
-            with place_parameters(quantize_on_load(krea2_rules(fmt) + flux_rules(fmt))):
-                pipe = load_pipeline(args.model, dtype=dtype)
         else:
-            pipe = load_pipeline(args.model, dtype=dtype)
+            from mxdit.model.loading import place_parameters
+
+            places = []  # applied to each tensor as it is read
+            if args.precision != "bf16" and not args.fuse_lora:  # quantized as read: never all in bf16 on the device
+                from mxdit.model.layers import PRECISIONS, quantize_on_load
+                from mxdit.quant.model import flux_rules, krea2_rules
+
+                fmt = PRECISIONS[args.precision]
+                # Both families' rules: each selects only its own blocks' matrices (the text encoders' keys match
+                # neither).
+                places.append(quantize_on_load(krea2_rules(fmt) + flux_rules(fmt)))
+            if args.offload is not None:  # the streamed blocks go straight to host memory (after quantizing)
+                from mxdit.model.offload import streamed_block_placement
+
+                places.append(streamed_block_placement(args.offload))
+            with place_parameters(*places):
+                pipe = load_pipeline(args.model, dtype=dtype)
         if args.attention:
             from mxdit.model.layers import attention_implementation
 

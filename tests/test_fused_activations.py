@@ -5,7 +5,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 
 from mxdit.pallas_kernels import activations as A
 from mxdit.pallas_kernels.gemm import quantize_activations
