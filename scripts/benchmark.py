@@ -76,7 +76,8 @@ def _timed(run, iters: int, repeats: int) -> dict:
         run(iters)
         times.append((time.perf_counter() - t0) / iters)
     median = statistics.median(times)
-    return {"compile_s": compile_s, "s_per_step": median, "spread": (max(times) - min(times)) / median}
+    return {"compile_s": compile_s, "s_per_step": median, "spread": (max(times) - min(times)) / median,
+            "repeats_s": times}
 
 
 def jax_krea2_step(args) -> list[dict]:
@@ -168,16 +169,20 @@ def jax_krea2_step(args) -> list[dict]:
 
 
 def jax_krea2_offload(args) -> list[dict]:
-    """The full-size Krea 2 step (bf16, random weights) with weight streaming (`model/offload.py`): the first
-    `--resident` blocks on the device, the others in pinned host memory, copied `--prefetch` blocks ahead. The
-    weights are made block by block, streamed blocks straight into host memory, so the device never holds more
-    than the run keeps (the parent caps its memory). Timed over `iters` steps dispatched back to back."""
+    """The full-size Krea 2 step (random weights; bf16, or the blocks' matrices in --precision for the GEMM kernels)
+    with weight streaming (`model/offload.py`): the first `--resident` blocks on the device, the others in pinned
+    host memory, copied `--prefetch` blocks ahead. The weights are made tensor by tensor (quantized as made), streamed
+    blocks straight into host memory, so the device never holds more than the run keeps (the parent caps its
+    memory). Timed over `iters` steps dispatched back to back."""
     import jax
     import jax.numpy as jnp
     from flax import nnx
 
-    from mxdit.model.krea2 import Krea2Transformer
+    from mxdit.model.krea2 import Krea2Transformer, stack_projections
+    from mxdit.model.layers import PRECISIONS, quantize_on_load
+    from mxdit.model.loading import module_key
     from mxdit.model.offload import StreamedKrea2
+    from mxdit.quant.model import krea2_rules
 
     cfg = _config(args)
     device = jax.devices()[0]
@@ -185,14 +190,19 @@ def jax_krea2_offload(args) -> list[dict]:
     t0 = time.perf_counter()
     graphdef, state = nnx.split(nnx.eval_shape(lambda: Krea2Transformer(cfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))))
     host = jax.sharding.SingleDeviceSharding(device, memory_kind="pinned_host")
+    quantize = quantize_on_load(krea2_rules(PRECISIONS[args.precision])) if args.precision != "bf16" else None
     flat = nnx.to_flat_state(state)
     for i, (path, variable) in enumerate(flat):
         value = variable.get_value()
         array = (jax.random.normal(jax.random.key(i), value.shape, jnp.float32) * 0.02).astype(value.dtype)
+        if quantize is not None:
+            array = quantize(module_key(path), array)
         if path[0] == "transformer_blocks" and int(path[1]) >= resident:
             array = jax.device_put(array, host)
         variable.set_value(array)
     model = nnx.merge(graphdef, nnx.from_flat_state(flat))
+    if args.precision != "bf16":
+        stack_projections(model)  # as generate.py runs a quantized model (host-memory blocks stay in host memory)
     streamed = StreamedKrea2(model, resident=resident, prefetch=args.prefetch)
     del model, flat, state
     init_s = time.perf_counter() - t0
@@ -200,7 +210,7 @@ def jax_krea2_offload(args) -> list[dict]:
         cfg, args.height, args.width, args.text_len, args.valid_text))
     hidden, text = hidden.astype(jnp.bfloat16), text.astype(jnp.bfloat16)
     flops = _step_flops(cfg, hidden.shape[1], text.shape[1])
-    row = {"name": f"jax bf16, {resident} of {cfg.num_layers} blocks resident, prefetch {args.prefetch}",
+    row = {"name": f"jax {args.precision}, {resident} of {cfg.num_layers} blocks resident, prefetch {args.prefetch}",
            "init_s": init_s}
     try:
         def steps(n):
@@ -229,7 +239,8 @@ def krea2_offload(args) -> None:
                          capture_output=True, text=True, check=True).stdout.split()[0]) / 1024  # GiB
     forwarded = ["--height", str(args.height), "--width", str(args.width), "--text-len", str(args.text_len),
                  "--valid-text", str(args.valid_text), "--iters", str(args.iters), "--repeats", str(args.repeats),
-                 "--prefetch", str(args.prefetch)] + (["--num-layers", str(args.num_layers)] if args.num_layers else [])
+                 "--prefetch", str(args.prefetch), "--precision", args.precision]
+    forwarded += ["--num-layers", str(args.num_layers)] if args.num_layers else []
     rows = _subprocess_rows(args, "krea2-offload-jax", forwarded + ["--resident", "all"])
     fraction = f"{args.device_memory_gb * 1e9 / 2**30 / total:.3f}"
     for resident in args.resident:
@@ -1351,6 +1362,8 @@ def main(argv=None) -> None:
         p = sub.add_parser(name)
         _krea2_shape_arguments(p)
         p.add_argument("--prefetch", type=int, default=2)
+        p.add_argument("--precision", default="bf16", choices=PRECISION_CHOICES,
+                       help="the blocks' matrices in this format, streamed as such (bf16: as they are)")
         p.add_argument("--iters", type=int, default=5)
         p.add_argument("--repeats", type=int, default=3)
         p.add_argument("--json", default=None)
