@@ -62,6 +62,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--compile-cache", type=Path, default=Path.home() / ".cache" / "mxdit" / "jax",
                         help="JAX's persistent compilation cache, so that a second run starts fast ('' : off)")
     parser.add_argument("--tiled-decode", action="store_true", help="decode the VAE in tiles (large images)")
+    parser.add_argument("--progress", action="store_true",
+                        help="a progress bar per denoising step (waits for each step; without it Krea 2 runs all "
+                             "steps as one program)")
     parser.add_argument("--max-sequence-length", type=int, default=None,
                         help="text tokens (default: Krea 2 512, FLUX.1-dev 512, schnell 256)")
     add_device_arguments(parser, "Krea 2 on several devices, e.g. data=2,seq=4,cfg=2 (axes data, cfg, seq, fsdp; "
@@ -228,15 +231,18 @@ def main(argv=None) -> int:
         else dict(guidance_scale=args.guidance)
     if args.max_sequence_length:
         options["max_sequence_length"] = args.max_sequence_length
-    with tqdm(total=steps, desc="denoise", unit="step") as bar:
+    with tqdm(total=steps, desc="denoise", unit="step", disable=not args.progress) as bar:
         def on_step(i, t, latents):
             jax.block_until_ready(latents)  # so the bar moves with the device, not with dispatch
             bar.update(1)
 
+        if not args.progress:
+            print(f"denoising: {steps} steps")
         try:
+            # Without a per-step callback Krea 2's pipeline runs all steps as one program (no host round trip).
             out = pipe(args.prompt, args.negative_prompt, height=args.height, width=args.width, num_inference_steps=steps,
-                       num_images_per_prompt=args.num_images, seed=args.seed, callback=on_step,
-                       tiled_decode=args.tiled_decode, **options)
+                       num_images_per_prompt=args.num_images, seed=args.seed,
+                       callback=on_step if args.progress else None, tiled_decode=args.tiled_decode, **options)
         except ValueError as e:
             print(f"generate.py: error: {e}", file=sys.stderr)
             return 2

@@ -33,6 +33,13 @@ def test_demo_writes_a_png_of_the_asked_size(tmp_path, capsys):
     assert "RANDOM weights" in captured.out
     for stage in ("text encode", "denoise", "decode", "total"):
         assert stage in captured.out
+    # --progress: a bar per step (the steps stepped from the host), the same image
+    code, captured = run(["--demo", "--prompt", "a red fox", "--height", "64", "--width", "96", "--steps", "2",
+                          "--progress", "--output", str(tmp_path / "p.png")], capsys)
+    assert code == 0, captured.err
+    assert "2/2" in captured.err
+    np.testing.assert_allclose(np.asarray(Image.open(tmp_path / "p.png"), np.int16),
+                               np.asarray(Image.open(out), np.int16), rtol=0, atol=1)
 
 
 def test_model_folder_generates_several_images(tmp_path, capsys):
