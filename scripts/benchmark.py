@@ -259,6 +259,58 @@ def krea2_offload(args) -> None:
         Path(args.json).write_text(json.dumps(rows, indent=1))
 
 
+def krea2_profile(args) -> None:
+    """Where a Krea 2 step's GPU time goes: the step (--precision, --attention, stacked, text fused once) under
+    jax.profiler for --iters steps; the perfetto trace's GPU kernels summed by name, per step, largest first. The
+    trace stays in --trace-dir (open it in ui.perfetto.dev)."""
+    import collections
+    import gzip
+
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from mxdit.model.krea2 import Krea2Transformer, stack_projections
+    from mxdit.model.layers import PRECISIONS, quantize_linear_layers
+    from mxdit.quant.model import krea2_rules
+
+    cfg = _config(args)
+    model = Krea2Transformer(cfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+    if args.precision != "bf16":
+        quantize_linear_layers(model, krea2_rules(PRECISIONS[args.precision]), kernels=True)
+    stack_projections(model)
+    model.attention = args.attention
+    hidden, text, timestep, position_ids, mask = (jnp.asarray(a) for a in _krea2_inputs(
+        cfg, args.height, args.width, args.text_len, args.valid_text))
+    text = jax.jit(model.fuse_text)(text.astype(jnp.bfloat16), mask)
+    graphdef, state = nnx.split(model)
+    step = jax.jit(lambda state, *inputs: nnx.merge(graphdef, state)(*inputs))
+    inputs = (hidden.astype(jnp.bfloat16), text, timestep, position_ids, mask)
+    jax.block_until_ready(step(state, *inputs))  # compile outside the trace
+    jax.profiler.start_trace(args.trace_dir, create_perfetto_trace=True)
+    for _ in range(args.iters):
+        out = step(state, *inputs)
+    jax.block_until_ready(out)
+    jax.profiler.stop_trace()
+    traces = sorted(Path(args.trace_dir).rglob("perfetto_trace.json.gz"), key=lambda f: f.stat().st_mtime)
+    if not traces:
+        raise SystemExit(f"no perfetto trace under {args.trace_dir}")
+    events = json.load(gzip.open(traces[-1]))
+    events = events["traceEvents"] if isinstance(events, dict) else events
+    gpu = {e["pid"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"
+           and "GPU" in e.get("args", {}).get("name", "")}
+    total, count = collections.defaultdict(float), collections.Counter()
+    for e in events:
+        if e.get("ph") == "X" and e.get("pid") in gpu:
+            total[e["name"]] += e["dur"] / 1e3 / args.iters  # ms a step
+            count[e["name"]] += 1
+    print(f"\nKrea 2 step profile ({args.precision}, {args.attention} attention, {args.height}x{args.width}, text "
+          f"{args.text_len}): {sum(total.values()):.1f} ms of GPU kernels a step; trace {traces[-1]}")
+    print(f"{'ms/step':>8} {'calls/step':>10}  kernel")
+    for name, ms in sorted(total.items(), key=lambda kv: -kv[1])[:args.top]:
+        print(f"{ms:8.2f} {count[name] / args.iters:10.0f}  {name[:100]}")
+
+
 def _dispatch_loop(step, state, x, text, timestep, n):
     """n steps, one jitted call each, without waiting in between (as the pipeline's loop runs)."""
     for i in range(n):
@@ -1257,6 +1309,13 @@ def _krea2_shape_arguments(p: argparse.ArgumentParser) -> None:
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("krea2-profile")
+    _krea2_shape_arguments(p)
+    p.add_argument("--precision", default="fp8", choices=PRECISION_CHOICES)
+    p.add_argument("--attention", default="int8_mosaic", choices=["cudnn", "xla", "int8", "int8_mosaic"])
+    p.add_argument("--iters", type=int, default=2, help="steps traced")
+    p.add_argument("--top", type=int, default=40, help="kernels listed")
+    p.add_argument("--trace-dir", default="/tmp/mxdit-profile")
     for name in ("krea2-step", "krea2-step-diffusers"):
         p = sub.add_parser(name)
         _krea2_shape_arguments(p)
@@ -1375,7 +1434,7 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     commands = {
         "krea2-offload": krea2_offload, "krea2-offload-jax": jax_krea2_offload,
-        "krea2-step": krea2_step, "krea2-step-diffusers": diffusers_krea2_step,
+        "krea2-step": krea2_step, "krea2-step-diffusers": diffusers_krea2_step, "krea2-profile": krea2_profile,
         "krea2-pipeline": krea2_pipeline, "krea2-pipeline-diffusers": diffusers_krea2_pipeline,
         "krea2-pipeline-jax": jax_krea2_pipeline,
         "vae-decode": vae_decode, "vae-decode-diffusers": diffusers_vae_decode, "vae-decode-jax": jax_vae_decode,
