@@ -140,9 +140,11 @@ class Attention(nnx.Module):
         (batch, seq, dim); with `residual` and `residual_gate` (batch, 1, dim): `residual + residual_gate * that`
         (the output projection's epilogue, see `Linear.gated_residual`)."""
         batch, seq, _ = x.shape
+        stacked = None
         if self.to_qkvg is not None:
             nq, nk = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-            q, k, v, gate = jnp.split(self.to_qkvg(x), [nq, nq + nk, nq + 2 * nk], axis=-1)
+            stacked = self.to_qkvg(x)
+            q, k, v, gate = jnp.split(stacked, [nq, nq + nk, nq + 2 * nk], axis=-1)
         else:
             q, k, v, gate = self.to_q(x), self.to_k(x), self.to_v(x), self.to_gate(x)
         q = q.reshape(batch, seq, self.num_heads, self.head_dim)
@@ -159,7 +161,13 @@ class Attention(nnx.Module):
             if rotary is not None:
                 q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
             out = attention(q, k, v, kv_lengths, implementation)
-        out = out.reshape(batch, seq, -1) * jax.nn.sigmoid(gate)
+        out = out.reshape(batch, seq, -1)
+        backend = None if stacked is None else fp8_input_backend(self.to_out[0])
+        if backend is not None:  # the gate and the FP8 quantization in one pass, the gate read in place
+            values, scales = fused_fp8_producer("sigmoid_gated_fp8", backend)(out, stacked, gate_offset=nq + 2 * nk)
+            out = FP8Activations(values, scales, out.dtype)
+        else:
+            out = out * jax.nn.sigmoid(gate)
         if residual is not None:
             return self.to_out[0].gated_residual(out, residual, residual_gate)
         return self.to_out[0](out)

@@ -8,6 +8,8 @@ modulation + quantization and ~225 us for SwiGLU + quantization (NOTES.md, sessi
 
 - `modulated_rms_norm_fp8`: `(1 + scale) * rmsnorm(x) + shift` (the DiT's adaptive norm before attention and SwiGLU).
 - `swiglu_fp8`: `silu(gate) * up` from the stacked gate/up product (the input of SwiGLU's down projection).
+- `sigmoid_gated_fp8`: `out * sigmoid(gate)`, the attention output under its gate (the input of the output
+  projection), with the gate read in place from the stacked Q/K/V/gate product.
 
 Each computes what the models compute, in their order and rounding (float32 norm cast to x's dtype; modulation in x's
 dtype; SwiGLU rounded as PyTorch rounds it), then `gemm.quantize_activations`' rule. `backend="reference"` is that
@@ -66,6 +68,13 @@ def swiglu(gate_up: jax.Array) -> jax.Array:
     gate, up = jnp.split(gate_up.astype(jnp.float32), 2, axis=-1)
     silu = _round(gate * jax.nn.sigmoid(gate), gate_up.dtype)
     return (silu * up).astype(gate_up.dtype)
+
+
+def sigmoid_gated(out: jax.Array, gate: jax.Array) -> jax.Array:
+    """`out * sigmoid(gate)` rounded to out's dtype after the sigmoid and after the product, each in float32
+    (PyTorch's arithmetic, as `swiglu`)."""
+    g = _round(jax.nn.sigmoid(gate.astype(jnp.float32)), out.dtype)
+    return (out.astype(jnp.float32) * g).astype(out.dtype)
 
 
 def _quantized_rows(y: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -142,13 +151,43 @@ def swiglu_fp8(gate_up: jax.Array, *, backend: str = "triton", interpret: bool =
     return _row_call(kernel, b, s, h, interpret, [_row_spec(d2)], gate_up)
 
 
+def sigmoid_gated_fp8(out: jax.Array, stacked: jax.Array, gate_offset: int, *, backend: str = "triton",
+                      interpret: bool = False) -> tuple[jax.Array, jax.Array]:
+    """`sigmoid_gated(out, gate)` quantized to FP8 E4M3 per token, gate = stacked[..., gate_offset:gate_offset + d]:
+    out (batch, seq, d); stacked (batch, seq, n) the product the gate is a slice of (read in place: a slice handed
+    to a kernel would be copied first). Returns (values (batch, seq, d'), scales (batch, seq)) as the others."""
+    b, s, d = out.shape
+    if stacked.shape[:2] != (b, s) or gate_offset + d > stacked.shape[2]:
+        raise ValueError(f"sigmoid_gated_fp8: the gate [{gate_offset}, {gate_offset + d}) does not fit in the stacked "
+                         f"product of shape {stacked.shape} for an output of shape {out.shape}")
+    if backend == "reference":
+        return _quantized_rows(sigmoid_gated(out, stacked[..., gate_offset:gate_offset + d]))
+    if backend != "triton":
+        raise ValueError(f"backend must be 'triton' or 'reference', got {backend!r}")
+    c, dtype = _chunk(d), out.dtype
+    n_chunks = d // c
+    from jax.experimental import pallas as pl
+
+    def kernel(out_ref, stacked_ref, q_ref, s_ref):
+        ys, amax = [], jnp.float32(0.0)
+        for i in range(n_chunks):
+            o = out_ref[:, pl.ds(i * c, c)].astype(jnp.float32)
+            g = stacked_ref[:, pl.ds(gate_offset + i * c, c)].astype(jnp.float32)
+            y = _round(o * _round(1.0 / (1.0 + jnp.exp(-g)), dtype), dtype)  # as `sigmoid_gated`
+            ys.append(y)
+            amax = jnp.maximum(amax, jnp.max(jnp.abs(y)))
+        _store_fp8_row(ys, amax, c, q_ref, s_ref)
+
+    return _row_call(kernel, b, s, d, interpret, [_row_spec(d), _row_spec(stacked.shape[2])], out, stacked)
+
+
 # --------------------------------------------------------------------------------------------------------------------
 # Shared kernel parts
 
 
 def _store_fp8_row(ys, amax, c, q_ref, s_ref):
-    """`gemm._fp8_e4m3_rows`' rule for one row held as chunks: scale amax / 448 (1 for a zero row; NaN, with zeroed
-    values, for a row holding NaN or Inf)."""
+    """`gemm._fp8_e4m3_rows`' rule for one row held as chunks: scale amax / 448 (1 for a zero row; NaN for a row
+    holding NaN or Inf, whose values then mean nothing)."""
     from jax.experimental import pallas as pl
 
     finite = amax <= np.float32(np.finfo(np.float32).max)  # False for Inf and NaN

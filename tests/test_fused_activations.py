@@ -96,3 +96,19 @@ def test_bad_arguments_are_named():
         A.modulated_rms_norm_fp8(x, w, scale, shift, 1e-5, backend="mosaic")
     with pytest.raises(ValueError, match="row length 72 needs a power-of-two divisor"):
         A.swiglu_fp8(jnp.ones((1, 2, 144), jnp.bfloat16), interpret=True)
+
+
+def test_sigmoid_gated_kernel_reads_the_gate_in_place():
+    """The gate as a slice of the stacked Q/K/V/gate product, read at its offset: bit-equal to the reference; the
+    reference is `out * sigmoid(gate)` within bf16 rounding."""
+    k = jax.random.split(jax.random.key(5), 2)
+    out = (jax.random.normal(k[0], (1, 6, 96)) * 2).astype(jnp.bfloat16)
+    stacked = (jax.random.normal(k[1], (1, 6, 96 + 64 + 96)) * 3).astype(jnp.bfloat16)  # [q | k, v | gate]
+    kernel = A.sigmoid_gated_fp8(out, stacked, 160, interpret=True)
+    _same(kernel, A.sigmoid_gated_fp8(out, stacked, 160, backend="reference"))
+    gate = stacked[..., 160:]
+    exact = out.astype(jnp.float32) * jax.nn.sigmoid(gate.astype(jnp.float32))
+    ours = A.sigmoid_gated(out, gate).astype(jnp.float32)
+    assert float(jnp.max(jnp.abs(ours - exact) / (jnp.abs(exact) + 1e-3))) < 2 ** -6
+    with pytest.raises(ValueError, match="does not fit in the stacked product"):
+        A.sigmoid_gated_fp8(out, stacked, 200, interpret=True)

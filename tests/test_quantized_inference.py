@@ -177,8 +177,8 @@ def test_bad_quantized_checkpoints_are_named(tiny, tmp_path):
 
 @pytest.mark.parametrize("precision", ["fp8", "mxfp4", "int8"])
 def test_fused_fp8_producers_feed_the_kernel_weights(tiny, monkeypatch, precision):
-    """With FP8-activation kernel weights, each joint block's two adaptive norms and (stacked) SwiGLU quantize their
-    output in the same pass (pallas_kernels/activations.py; here its reference): the velocity of the unfused
+    """With FP8-activation kernel weights, each joint block's two adaptive norms, (stacked) SwiGLU and gated
+    attention output quantize their output in the same pass (pallas_kernels/activations.py; here its reference): the velocity of the unfused
     path. INT8 weights take INT8 activations: nothing fused."""
     from mxdit.model import krea2
     from mxdit.model.krea2 import stack_projections
@@ -194,7 +194,9 @@ def test_fused_fp8_producers_feed_the_kernel_weights(tiny, monkeypatch, precisio
     # the joint blocks' norms; every stacked SwiGLU (joint and text-fusion blocks; the tiny MX weights do not stack)
     stacked = sum(1 for _, m in nnx.iter_graph(kernels) if isinstance(m, krea2.SwiGLU) and m.gate_up is not None)
     norms = 2 * len(kernels.transformer_blocks)
-    expected = {} if precision == "int8" else {"modulated_rms_norm_fp8": norms, "swiglu_fp8": stacked}
+    attentions = sum(1 for _, m in nnx.iter_graph(kernels) if isinstance(m, krea2.Attention) and m.to_qkvg is not None)
+    expected = {} if precision == "int8" else {"modulated_rms_norm_fp8": norms, "swiglu_fp8": stacked,
+                                               "sigmoid_gated_fp8": attentions}
     assert {name: calls.count(name) for name in set(calls)} == {k: v for k, v in expected.items() if v}
     assert precision != "fp8" or stacked == sum(1 for _, m in nnx.iter_graph(kernels) if isinstance(m, krea2.SwiGLU))
     monkeypatch.setattr(krea2, "fp8_input_backend", lambda *layers: None)
