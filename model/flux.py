@@ -16,7 +16,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from .layers import Linear, apply_rotary, attention, attention_implementation, remat_call, rotary_tables
+from .layers import (Linear, apply_rotary, attention, attention_implementation, remat_call, rotary_tables,
+                     stacked_linear)
 from .loading import (CheckpointError, DerivedCheckpoint, config_from_dict, load_state, open_checkpoint, read_json)
 
 AttentionImpl = str  # "xla" or "cudnn"
@@ -132,17 +133,38 @@ class Attention(nnx.Module):
             self.norm_added_q = RMSNorm(self.head_dim)
             self.norm_added_k = RMSNorm(self.head_dim)
             self.to_add_out = Linear(dim, dim, bias=True, dtype=dtype, rngs=rngs)
+        # `stack_projections`: Q, K and V as one Linear (inference); the text stream's likewise
+        self.to_qkv = nnx.data(None)
+        self.add_qkv = nnx.data(None)
 
-    def _qkv(self, x, q_proj, k_proj, v_proj, norm_q, norm_k):
-        shape = (*x.shape[:2], self.heads, self.head_dim)
-        return norm_q(q_proj(x).reshape(shape)), norm_k(k_proj(x).reshape(shape)), v_proj(x).reshape(shape)
+    def stack_projections(self) -> bool:
+        """Q, K and V (and the text stream's) as one product each; the separate layers are gone afterwards. In
+        single blocks the block stacks its MLP projection with them instead (`SingleStreamBlock`)."""
+        stacked = False
+        if self.to_qkv is None and (qkv := stacked_linear([self.to_q, self.to_k, self.to_v])) is not None:
+            self.to_qkv, self.to_q, self.to_k, self.to_v, stacked = qkv, None, None, None, True
+        if getattr(self, "add_q_proj", None) is not None and (
+                qkv := stacked_linear([self.add_q_proj, self.add_k_proj, self.add_v_proj])) is not None:
+            self.add_qkv, self.add_q_proj, self.add_k_proj, self.add_v_proj, stacked = qkv, None, None, None, True
+        return stacked
 
-    def __call__(self, x, rotary, implementation: AttentionImpl, context=None):
-        """x: (batch, seq, dim) image (or joint, in single blocks); context: (batch, text, dim) for double blocks."""
-        q, k, v = self._qkv(x, self.to_q, self.to_k, self.to_v, self.norm_q, self.norm_k)
+    def _projections(self, x, stacked, q_proj, k_proj, v_proj):
+        if stacked is not None:
+            return jnp.split(stacked(x), 3, axis=-1)
+        return q_proj(x), k_proj(x), v_proj(x)
+
+    def _heads(self, q, k, v, norm_q, norm_k):
+        shape = (*q.shape[:2], self.heads, self.head_dim)
+        return norm_q(q.reshape(shape)), norm_k(k.reshape(shape)), v.reshape(shape)
+
+    def __call__(self, x, rotary, implementation: AttentionImpl, context=None, projections=None):
+        """x: (batch, seq, dim) image (or joint, in single blocks); context: (batch, text, dim) for double blocks;
+        `projections`: x's (q, k, v) computed already (a single block's stacked product)."""
+        q, k, v = projections or self._projections(x, self.to_qkv, self.to_q, self.to_k, self.to_v)
+        q, k, v = self._heads(q, k, v, self.norm_q, self.norm_k)
         if context is not None:
-            cq, ck, cv = self._qkv(context, self.add_q_proj, self.add_k_proj, self.add_v_proj,
-                                   self.norm_added_q, self.norm_added_k)
+            cq, ck, cv = self._heads(*self._projections(context, self.add_qkv, self.add_q_proj, self.add_k_proj,
+                                                        self.add_v_proj), self.norm_added_q, self.norm_added_k)
             q, k, v = (jnp.concatenate(pair, axis=1) for pair in ((cq, q), (ck, k), (cv, v)))
         q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
         out = attention(q, k, v, None, implementation)
@@ -209,12 +231,28 @@ class SingleStreamBlock(nnx.Module):
         self.proj_mlp = Linear(dim, 4 * dim, bias=True, dtype=dtype, rngs=rngs)
         self.attn = Attention(cfg, joint=False, pre_only=True, dtype=dtype, rngs=rngs)
         self.proj_out = Linear(5 * dim, dim, bias=True, dtype=dtype, rngs=rngs)
+        self.qkv_mlp = nnx.data(None)  # `stack_projections`: Q, K, V and the MLP's projection as one Linear
+
+    def stack_projections(self) -> bool:
+        """The attention's Q, K, V and the MLP projection (all of the same normed input) as one product."""
+        if self.qkv_mlp is not None:
+            return False
+        stacked = stacked_linear([self.attn.to_q, self.attn.to_k, self.attn.to_v, self.proj_mlp])
+        if stacked is not None:
+            self.qkv_mlp, self.proj_mlp = stacked, None
+            self.attn.to_q = self.attn.to_k = self.attn.to_v = None
+        return stacked is not None
 
     def __call__(self, x, temb, rotary, implementation):
         shift, scale, gate = self.norm(temb)
         h = layer_norm(x) * (1 + scale) + shift
-        mlp = jax.nn.gelu(self.proj_mlp(h), approximate=True)
-        return x + gate * self.proj_out(jnp.concatenate([self.attn(h, rotary, implementation), mlp], axis=-1))
+        if self.qkv_mlp is not None:
+            dim = x.shape[-1]
+            q, k, v, mlp = jnp.split(self.qkv_mlp(h), [dim, 2 * dim, 3 * dim], axis=-1)
+            attn = self.attn(h, rotary, implementation, projections=(q, k, v))
+        else:
+            mlp, attn = self.proj_mlp(h), self.attn(h, rotary, implementation)
+        return x + gate * self.proj_out(jnp.concatenate([attn, jax.nn.gelu(mlp, approximate=True)], axis=-1))
 
 
 class FinalNorm(nnx.Module):
@@ -226,6 +264,15 @@ class FinalNorm(nnx.Module):
     def __call__(self, x, temb):
         scale, shift = jnp.split(self.linear(jax.nn.silu(temb).astype(x.dtype))[:, None], 2, axis=-1)
         return layer_norm(x) * (1 + scale) + shift
+
+
+def stack_projections(model: nnx.Module) -> int:
+    """Stack the projections that share an input in every block of a FLUX `model`: Q/K/V of each stream in double
+    blocks, Q/K/V with the MLP projection in single blocks. For inference, after quantizing and after fusing LoRAs.
+    Returns how many modules were stacked."""
+    modules = [node for _, node in nnx.iter_graph(model) if isinstance(node, (DoubleStreamBlock, SingleStreamBlock))]
+    return sum(node.attn.stack_projections() if isinstance(node, DoubleStreamBlock) else node.stack_projections()
+               for node in modules)  # listed first: stacking changes the graph
 
 
 class FluxTransformer(nnx.Module):

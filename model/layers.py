@@ -192,12 +192,14 @@ class Linear(nnx.Module):
 
 
 def stacked_linear(layers: list[Linear]) -> Linear | None:
-    """One Linear computing `layers` (same input, no bias, no adapter) side by side: their outputs concatenated.
-    Bigger products run closer to the GEMMs' peak than several narrow ones (Krea 2's K and V have 1536 outputs).
-    None when the layers cannot be stacked (an adapter, a bias, different weight formats)."""
+    """One Linear computing `layers` (same input, no adapter, all with a bias or none) side by side: their outputs
+    concatenated. Bigger products run closer to the GEMMs' peak than several narrow ones (Krea 2's K and V have 1536
+    outputs). None when the layers cannot be stacked (an adapter, biases on some only, different weight formats)."""
     from mxdit.pallas_kernels.gemm import concat_weights
 
-    if any(layer.lora is not None or layer.bias is not None or layer.activation_format for layer in layers):
+    if any(layer.lora is not None or layer.activation_format for layer in layers):
+        return None
+    if len({layer.bias is None for layer in layers}) > 1:
         return None
     weights = [layer.weight.get_value() for layer in layers]
     if all(_is_gemm_weight(w) for w in weights):
@@ -209,9 +211,12 @@ def stacked_linear(layers: list[Linear]) -> Linear | None:
         weight = jnp.concatenate(weights)
     else:
         return None
-    stacked = Linear(1, 1, bias=False, dtype=jnp.float32, rngs=nnx.Rngs(0))  # then given the stacked weight
+    biased = layers[0].bias is not None
+    stacked = Linear(1, 1, bias=biased, dtype=jnp.float32, rngs=nnx.Rngs(0))  # then given the stacked weight
     stacked.in_features, stacked.out_features = layers[0].in_features, sum(layer.out_features for layer in layers)
     stacked.weight = nnx.Param(weight)
+    if biased:
+        stacked.bias = nnx.Param(jnp.concatenate([layer.bias[...] for layer in layers]))
     return stacked
 
 

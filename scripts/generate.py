@@ -204,10 +204,11 @@ def main(argv=None) -> int:
 
             rules = (flux_rules if isinstance(pipe, FluxPipeline) else krea2_rules)(PRECISIONS[args.precision])
             quantize_linear_layers(pipe.transformer, rules, kernels=True)
-        if not isinstance(pipe, FluxPipeline) and mesh is None:
-            from mxdit.model.krea2 import stack_projections
+        if mesh is None:
+            from mxdit.model import flux, krea2
 
-            stack_projections(pipe.transformer)  # Q/K/V/gate and gate/up as one product each (not with run-time LoRAs)
+            # Q/K/V(/gate, /MLP) and gate/up as one product each (not the layers with run-time LoRAs)
+            (flux if isinstance(pipe, FluxPipeline) else krea2).stack_projections(pipe.transformer)
         if args.offload is not None:
             if isinstance(pipe, FluxPipeline):
                 raise ValueError("--offload: weight streaming covers Krea 2 for now")

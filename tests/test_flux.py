@@ -148,3 +148,28 @@ def test_load_pipeline_picks_the_family_from_model_index(tmp_path):
     (folder / "model_index.json").unlink()
     with pytest.raises(CheckpointError, match="model_index.json: file not found"):
         load_pipeline(folder)
+
+
+@pytest.mark.parametrize("precision", [None, "fp8_e4m3"])
+def test_stacked_projections_give_the_same_output(tiny, reference, precision):
+    """Q/K/V of each stream (double blocks) and Q/K/V with the MLP projection (single blocks) as one product each,
+    biases stacked alongside: the unstacked output, for float weights and for the GEMM kernels' FP8 weights."""
+    from flax import nnx
+
+    from mxdit.model.flux import stack_projections
+    from mxdit.model.layers import quantize_linear_layers
+    from mxdit.quant.model import flux_rules
+
+    separate = nnx.clone(tiny)
+    if precision:
+        quantize_linear_layers(separate, flux_rules(precision), kernels=True)
+    stacked = nnx.clone(separate)
+    cfg = tiny.config
+    assert stack_projections(stacked) == cfg.num_layers + cfg.num_single_layers  # modules stacked
+    double = stacked.transformer_blocks[0].attn
+    assert double.to_qkv is not None and double.add_qkv is not None and double.to_q is None and double.add_q_proj is None
+    assert stacked.single_transformer_blocks[0].qkv_mlp is not None and stacked.single_transformer_blocks[0].proj_mlp is None
+    out, expected = np.asarray(run(stacked, reference)), np.asarray(run(separate, reference))
+    np.testing.assert_allclose(out, expected, rtol=0, atol=1e-5 * np.abs(expected).max())
+    if precision is None:
+        assert relative_l2(out, reference["output"]) <= 1e-4
