@@ -340,7 +340,7 @@ def load_quantized_model(build, path) -> nnx.Module:
     from mxdit.quant.formats import QuantizedArray
     from mxdit.quant.model import QuantizedCheckpointError, load_quantized
 
-    from .loading import CheckpointError, module_key
+    from .loading import CheckpointError, key_problems, module_key
 
     path = Path(path)
     if not path.is_file():
@@ -353,11 +353,7 @@ def load_quantized_model(build, path) -> nnx.Module:
     graphdef, state = nnx.split(abstract)
     flat = nnx.to_flat_state(state)
     expected = {module_key(p): v for p, v in flat}
-    problems = []
-    if missing := sorted(set(expected) - set(params)):
-        problems.append(f"missing keys ({len(missing)}): {', '.join(missing[:10])}")
-    if unexpected := sorted(set(params) - set(expected)):
-        problems.append(f"unexpected keys ({len(unexpected)}): {', '.join(unexpected[:10])}")
+    problems = key_problems(expected, params)
     untaken = []  # quantized tensors the GEMM kernels cannot multiply
     for key in sorted(set(expected) & set(params)):
         value, want = params[key], expected[key].get_value()

@@ -232,6 +232,19 @@ def open_checkpoint(path: Path, weights_name: str) -> SafetensorsCheckpoint:
     raise CheckpointError(f"{path}: no weights found (expected {single.name} or {index.name})")
 
 
+def key_problems(expected, found, stored_name: Callable[[str], str] = lambda key: key,
+                 ignore: Callable[[str], bool] = lambda key: False) -> list[str]:
+    """The "missing keys" / "unexpected keys" lines of a load error: module keys `expected` against the module keys
+    `found` in a checkpoint; `stored_name` gives a key's name as the file stores it; `ignore`d keys are not
+    unexpected."""
+    problems = []
+    if missing := sorted(set(expected) - set(found)):
+        problems.append(f"missing keys ({len(missing)}): {_listing(missing)}")
+    if unexpected := sorted(stored_name(k) for k in set(found) - set(expected) if not ignore(k)):
+        problems.append(f"unexpected keys ({len(unexpected)}): {_listing(unexpected)}")
+    return problems
+
+
 def _listing(keys: Sequence[str], limit: int = 20) -> str:
     keys = sorted(keys)
     shown = ", ".join(keys[:limit])
@@ -295,8 +308,7 @@ def load_state(
     by_module_key: dict[str, str] = {}
     for key in checkpoint.keys():
         by_module_key.setdefault(rename(key), key)
-    missing = sorted(set(expected) - set(by_module_key))
-    unexpected = sorted(k for m, k in by_module_key.items() if m not in expected and not ignore(m))
+    problems = key_problems(expected, by_module_key, by_module_key.get, ignore)
     conversions, mismatched = {}, []
     for name, variable in expected.items():
         if name not in by_module_key:
@@ -310,11 +322,6 @@ def load_state(
             also = f" ({shape} after conversion)" if shape != stored else ""
             mismatched.append(f"{by_module_key[name]}: checkpoint has shape {stored}{also}, model expects {want}")
         conversions[name] = conversion
-    problems = []
-    if missing:
-        problems.append(f"missing keys ({len(missing)}): {_listing(missing)}")
-    if unexpected:
-        problems.append(f"unexpected keys ({len(unexpected)}): {_listing(unexpected)}")
     if mismatched:
         problems.append("shape mismatch: " + "; ".join(mismatched))
     if problems:
