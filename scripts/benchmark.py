@@ -55,6 +55,20 @@ def _config(args):
     return dataclasses.replace(cfg, num_layers=args.num_layers) if args.num_layers else cfg
 
 
+def _as_generate_runs_it(model, precision: str, stacked: bool = True):
+    """A Krea 2 transformer prepared, in place, as generate.py --precision prepares it: the blocks' matrices quantized
+    for the GEMM kernels (not for bf16), then the projections that share an input stacked. Returns the model."""
+    from mxdit.model.krea2 import stack_projections
+    from mxdit.model.layers import PRECISIONS, quantize_linear_layers
+    from mxdit.quant.model import krea2_rules
+
+    if precision != "bf16":
+        quantize_linear_layers(model, krea2_rules(PRECISIONS[precision]), kernels=True)
+    if stacked:
+        stack_projections(model)
+    return model
+
+
 def _step_flops(cfg, image_len: int, text_len: int) -> float:
     """Matrix-product FLOPs of one forward (linear layers + attention), for TFLOP/s figures."""
     d, seq = cfg.hidden_size, image_len + text_len
@@ -85,9 +99,7 @@ def jax_krea2_step(args) -> list[dict]:
     import jax.numpy as jnp
     from flax import nnx
 
-    from mxdit.model.krea2 import Krea2Transformer, stack_projections
-    from mxdit.model.layers import PRECISIONS, quantize_linear_layers
-    from mxdit.quant.model import krea2_rules
+    from mxdit.model.krea2 import Krea2Transformer
 
     cfg = _config(args)
     device = jax.devices()[0]
@@ -105,11 +117,7 @@ def jax_krea2_step(args) -> list[dict]:
     for precision, stacked, attention in ((p, s, a) for p in args.precisions for s in args.stacked
                                           for a in args.jax_attention):
         if made != (precision, stacked):
-            model = nnx.clone(base)
-            if precision != "bf16":  # the blocks' matrices quantized, one at a time, into the GEMM kernels' form
-                quantize_linear_layers(model, krea2_rules(PRECISIONS[precision]), kernels=True)
-            if stacked:
-                stack_projections(model)
+            model = _as_generate_runs_it(nnx.clone(base), precision, stacked)
             made = (precision, stacked)
         weights_gb = sum(x.nbytes for x in jax.tree.leaves(nnx.state(model))) / 1e9
         for masked in (True, False) if args.unmasked_too else (True,):
@@ -270,15 +278,10 @@ def krea2_profile(args) -> None:
     import jax.numpy as jnp
     from flax import nnx
 
-    from mxdit.model.krea2 import Krea2Transformer, stack_projections
-    from mxdit.model.layers import PRECISIONS, quantize_linear_layers
-    from mxdit.quant.model import krea2_rules
+    from mxdit.model.krea2 import Krea2Transformer
 
     cfg = _config(args)
-    model = Krea2Transformer(cfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
-    if args.precision != "bf16":
-        quantize_linear_layers(model, krea2_rules(PRECISIONS[args.precision]), kernels=True)
-    stack_projections(model)
+    model = _as_generate_runs_it(Krea2Transformer(cfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(0)), args.precision)
     model.attention = args.attention
     hidden, text, timestep, position_ids, mask = (jnp.asarray(a) for a in _krea2_inputs(
         cfg, args.height, args.width, args.text_len, args.valid_text))
@@ -521,13 +524,11 @@ def jax_krea2_pipeline(args) -> list[dict]:
     import jax.numpy as jnp
     from flax import nnx
 
-    from mxdit.model.krea2 import Krea2Transformer, stack_projections
-    from mxdit.model.layers import PRECISIONS, quantize_linear_layers
+    from mxdit.model.krea2 import Krea2Transformer
     from mxdit.model.pipeline_krea2 import Krea2Pipeline, Krea2PipelineConfig
     from mxdit.model.qwen3vl_text import Qwen3VLTextConfig, Qwen3VLTextEncoder
     from mxdit.model.tokenizer import TextTokenizer, save_demo_tokenizer
     from mxdit.model.vae_qwenimage import QwenImageVAE, QwenImageVAEConfig
-    from mxdit.quant.model import krea2_rules
 
     cache_dir = os.environ.get("JAX_COMPILATION_CACHE_DIR")  # looked at before anything here compiles
     cache = "from the compile cache" if cache_dir and any(Path(cache_dir).iterdir()) else "compiles"
@@ -545,10 +546,9 @@ def jax_krea2_pipeline(args) -> list[dict]:
     base = pipe.transformer
     rows = []
     for precision in args.precisions:
-        transformer = nnx.clone(base) if precision != "bf16" else base
-        if precision != "bf16":
-            quantize_linear_layers(transformer, krea2_rules(PRECISIONS[precision]), kernels=True)
-        stack_projections(transformer)
+        # a copy each: the quantization rules name the unstacked projections, so every precision starts from the
+        # unstacked bf16 model (stacking it in place first left a later fp8 run's stacked matrices in bf16)
+        transformer = _as_generate_runs_it(nnx.clone(base), precision)
         pipe.transformer = transformer
         for attention in args.jax_attention:
             transformer.attention = attention
@@ -559,8 +559,6 @@ def jax_krea2_pipeline(args) -> list[dict]:
                 row = {"name": f"jax {precision}, {attention} {label}", **out.timings}
                 print(json.dumps(row), flush=True)
                 rows.append(row)
-        if transformer is not base:
-            del transformer
     rows.append({"name": "jax peak", "peak_gb": (jax.devices()[0].memory_stats() or {}).get("peak_bytes_in_use", 0) / 1e9})
     print(json.dumps(rows[-1]), flush=True)  # the parent reads the rows from this process's output
     return rows
@@ -731,6 +729,7 @@ def diffusers_flux_step(args) -> list[dict]:
 # GEMM kernels (issue #7)
 
 PRECISION_CHOICES = ["bf16", "fp8", "mxfp8", "mxfp6", "mxfp4", "int8"]  # model.layers.PRECISIONS (imported late)
+ATTENTION_CHOICES = ["cudnn", "xla", "int8", "int8_mosaic"]  # model.layers.ATTENTION_KERNELS
 GEMM_SHAPES = ["4608x6144x6144", "4608x6144x18432", "4608x6144x32768", "4608x16384x6144", "1024x6144x6144",
                "16384x6144x6144"]
 
@@ -1312,7 +1311,7 @@ def main(argv=None) -> None:
     p = sub.add_parser("krea2-profile")
     _krea2_shape_arguments(p)
     p.add_argument("--precision", default="fp8", choices=PRECISION_CHOICES)
-    p.add_argument("--attention", default="int8_mosaic", choices=["cudnn", "xla", "int8", "int8_mosaic"])
+    p.add_argument("--attention", default="int8_mosaic", choices=ATTENTION_CHOICES)
     p.add_argument("--iters", type=int, default=2, help="steps traced")
     p.add_argument("--top", type=int, default=40, help="kernels listed")
     p.add_argument("--trace-dir", default="/tmp/mxdit-profile")
@@ -1323,7 +1322,7 @@ def main(argv=None) -> None:
         p.add_argument("--repeats", type=int, default=3)
         p.add_argument("--torch-compile", action="store_true", help="also time diffusers under torch.compile")
         p.add_argument("--no-diffusers", dest="diffusers", action="store_false")
-        p.add_argument("--jax-attention", nargs="+", default=["cudnn"], choices=["cudnn", "xla", "int8", "int8_mosaic"])
+        p.add_argument("--jax-attention", nargs="+", default=["cudnn"], choices=ATTENTION_CHOICES)
         p.add_argument("--precisions", nargs="+", default=["bf16"], choices=PRECISION_CHOICES,
                        help="the blocks' matrices in this format through the GEMM kernels (bf16: XLA's dots)")
         p.add_argument("--stacked", nargs="+", type=lambda s: s == "yes", default=[False], metavar="{no,yes}",
@@ -1351,7 +1350,7 @@ def main(argv=None) -> None:
         p.add_argument("--no-diffusers", dest="diffusers", action="store_false")
         p.add_argument("--precisions", nargs="+", default=["bf16"], choices=PRECISION_CHOICES,
                        help="the blocks' matrices in this format through the GEMM kernels (bf16: XLA's dots)")
-        p.add_argument("--jax-attention", nargs="+", default=["cudnn"], choices=["cudnn", "xla", "int8", "int8_mosaic"])
+        p.add_argument("--jax-attention", nargs="+", default=["cudnn"], choices=ATTENTION_CHOICES)
         p.add_argument("--no-trim-text", dest="trim_text", action="store_false",
                        help="denoise all 512 text tokens, as diffusers does (default: the padding dropped)")
         p.add_argument("--cached-too", action="store_true",
