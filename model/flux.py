@@ -210,6 +210,10 @@ class DoubleStreamBlock(nnx.Module):
         self.ff = FeedForward(dim, dtype=dtype, rngs=rngs)
         self.ff_context = FeedForward(dim, dtype=dtype, rngs=rngs)
 
+    def stack_projections(self) -> bool:
+        """Q, K and V of each stream as one product (`Attention.stack_projections`)."""
+        return self.attn.stack_projections()
+
     def __call__(self, x, context, temb, rotary, implementation):
         shift, scale, gate, shift_mlp, scale_mlp, gate_mlp = self.norm1(temb)
         c_shift, c_scale, c_gate, c_shift_mlp, c_scale_mlp, c_gate_mlp = self.norm1_context(temb)
@@ -271,8 +275,7 @@ def stack_projections(model: nnx.Module) -> int:
     blocks, Q/K/V with the MLP projection in single blocks. For inference, after quantizing and after fusing LoRAs.
     Returns how many modules were stacked."""
     modules = [node for _, node in nnx.iter_graph(model) if isinstance(node, (DoubleStreamBlock, SingleStreamBlock))]
-    return sum(node.attn.stack_projections() if isinstance(node, DoubleStreamBlock) else node.stack_projections()
-               for node in modules)  # listed first: stacking changes the graph
+    return sum(node.stack_projections() for node in modules)  # listed first: stacking changes the graph
 
 
 class FluxTransformer(nnx.Module):
