@@ -97,8 +97,7 @@ def modulated_rms_norm_fp8(x, norm_weight, scale, shift, eps: float, *, backend:
     shift = jnp.broadcast_to(shift, (b, 1, d))
     if backend == "reference":
         return _quantized_rows(modulated_rms_norm(x, norm_weight, scale, shift, eps))
-    if backend != "triton":
-        raise ValueError(f"backend must be 'triton' or 'reference', got {backend!r}")
+    _check_backend(backend)
     from jax.experimental import pallas as pl
 
     c, dtype = _chunk(d), x.dtype
@@ -132,8 +131,7 @@ def swiglu_fp8(gate_up: jax.Array, *, backend: str = "triton", interpret: bool =
     h = d2 // 2
     if backend == "reference":
         return _quantized_rows(swiglu(gate_up))
-    if backend != "triton":
-        raise ValueError(f"backend must be 'triton' or 'reference', got {backend!r}")
+    _check_backend(backend)
     c, dtype = _chunk(h), gate_up.dtype
     n_chunks = h // c
     from jax.experimental import pallas as pl
@@ -162,8 +160,7 @@ def sigmoid_gated_fp8(out: jax.Array, stacked: jax.Array, gate_offset: int, *, b
                          f"product of shape {stacked.shape} for an output of shape {out.shape}")
     if backend == "reference":
         return _quantized_rows(sigmoid_gated(out, stacked[..., gate_offset:gate_offset + d]))
-    if backend != "triton":
-        raise ValueError(f"backend must be 'triton' or 'reference', got {backend!r}")
+    _check_backend(backend)
     c, dtype = _chunk(d), out.dtype
     n_chunks = d // c
     from jax.experimental import pallas as pl
@@ -183,6 +180,11 @@ def sigmoid_gated_fp8(out: jax.Array, stacked: jax.Array, gate_offset: int, *, b
 
 # --------------------------------------------------------------------------------------------------------------------
 # Shared kernel parts
+
+
+def _check_backend(backend: str) -> None:
+    if backend != "triton":  # "reference" returned before
+        raise ValueError(f"backend must be 'triton' or 'reference', got {backend!r}")
 
 
 def _store_fp8_row(ys, amax, c, q_ref, s_ref):
