@@ -322,7 +322,8 @@ class MosaicConfig:
     """Tiles of the Mosaic GPU kernel. Each of the `compute_wgs` compute warpgroups owns `tile_m` x `tile_n` of the
     output (the CTA covers compute_wgs * tile_m rows); the K step is 128. `max_concurrent_steps`: shared-memory
     pipeline depth. `grid_tile_width`: how many tiles along the minor grid dimension the persistent loop sweeps before
-    turning (output tiles that share operands run close together in time, so they hit L2)."""
+    turning (output tiles that share operands run close together in time, so they hit L2). `prefetch_residual`: the
+    residual epilogue's first two column slices are fetched when the tile starts, not after its main loop."""
 
     tile_m: int = 128
     tile_n: int = 128
@@ -331,6 +332,7 @@ class MosaicConfig:
     grid_minor_n: bool = True
     grid_tile_width: int = 8
     compute_wgs: int = 2
+    prefetch_residual: bool = False
 
 
 def default_mosaic_config(m: int, n: int, k: int, block_scaled: bool) -> MosaicConfig:
@@ -379,7 +381,11 @@ def _mosaic_gemm(x, x_scale, w_data, w_scale, bias, residual, gate, *, x_blocks,
     block_scaled = x_blocks or w_blocks
     w_uniform = w_blocks and w_scale_rows % tn == 0  # tiles never straddle two runs of equal weight scales
     col_vectors = ([] if w_blocks else ["w_scale"]) + (["bias"] if has_bias else []) + (["gate"] if has_gate else [])
-    n_barriers = len(col_vectors) + 2  # + row scales + residual tile
+    n_barriers = len(col_vectors) + 3  # + row scales + two residual slices
+    # The residual shares the output's two staging slots: a slice is fetched into the slot its output leaves from.
+    # Prefetched, the first two slices arrive during the main loop (each slot's previous store must have been read).
+    n_parts = tn // epi_n
+    prefetched = min(2, n_parts) if (has_res and config.prefetch_residual) else 0
 
     def kernel(x_gmem, xs_gmem, w_gmem, ws_gmem, bias_gmem, res_gmem, gate_gmem, out_gmem, out_smem, row_smem,
                col_smem, barriers):
@@ -439,7 +445,12 @@ def _mosaic_gemm(x, x_scale, w_data, w_scale, bias, residual, gate, *, x_blocks,
                 if not x_blocks:
                     plgpu.copy_gmem_to_smem(xs_gmem.at[rows].at[wg_rows], row_smem.at[wg], barrier(0))
                 for i, name in enumerate(col_vectors):
-                    plgpu.copy_gmem_to_smem(col_gmem[name].at[cols], col_smem.at[wg, i], barrier(2 + i))
+                    plgpu.copy_gmem_to_smem(col_gmem[name].at[cols], col_smem.at[wg, i], barrier(3 + i))
+                if prefetched:
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                for e in range(prefetched):
+                    plgpu.copy_gmem_to_smem(res_gmem.at[rows].at[wg_rows].at[:, pl.ds(ni * tn + e * epi_n, epi_n)],
+                                            out_smem.at[wg, e], barrier(1 + e))
                 if block_scaled:
                     acc = run(plgpu.layout_cast(jnp.zeros((tm, tn), jnp.float32), wgmma))
                 else:
@@ -455,7 +466,7 @@ def _mosaic_gemm(x, x_scale, w_data, w_scale, bias, residual, gate, *, x_blocks,
 
                 def column(name):
                     i = col_vectors.index(name)
-                    plgpu.barrier_wait(barrier(2 + i))
+                    plgpu.barrier_wait(barrier(3 + i))
                     return lax.broadcast_in_dim(plgpu.load(col_smem.at[wg, i], layout=wgmma.reduce(0)), (tm, tn), [1])
 
                 if not w_blocks:
@@ -477,9 +488,10 @@ def _mosaic_gemm(x, x_scale, w_data, w_scale, bias, residual, gate, *, x_blocks,
                     out_cols = pl.ds(ni * tn + e * epi_n, epi_n)
                     part = acc[:, e * epi_n:(e + 1) * epi_n]
                     if has_res:
-                        plgpu.copy_gmem_to_smem(res_gmem.at[rows].at[wg_rows].at[:, out_cols], out_smem.at[wg, slot],
-                                                barrier(1))
-                        plgpu.barrier_wait(barrier(1))
+                        if e >= prefetched:
+                            plgpu.copy_gmem_to_smem(res_gmem.at[rows].at[wg_rows].at[:, out_cols],
+                                                    out_smem.at[wg, slot], barrier(1 + slot))
+                        plgpu.barrier_wait(barrier(1 + slot))
                         res = plgpu.load(out_smem.at[wg, slot], layout=wgmma).astype(jnp.float32)
                         part = (part + res).astype(out_dtype)
                     out_smem[wg, slot] = part
