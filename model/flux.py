@@ -141,10 +141,12 @@ class Attention(nnx.Module):
         """Q, K and V (and the text stream's) as one product each; the separate layers are gone afterwards. In
         single blocks the block stacks its MLP projection with them instead (`SingleStreamBlock`)."""
         stacked = False
-        if self.to_qkv is None and (qkv := stacked_linear([self.to_q, self.to_k, self.to_v])) is not None:
+        if self.to_qkv is None and (
+                qkv := stacked_linear([self.to_q, self.to_k, self.to_v], ("to_q", "to_k", "to_v"))) is not None:
             self.to_qkv, self.to_q, self.to_k, self.to_v, stacked = qkv, None, None, None, True
         if getattr(self, "add_q_proj", None) is not None and (
-                qkv := stacked_linear([self.add_q_proj, self.add_k_proj, self.add_v_proj])) is not None:
+                qkv := stacked_linear([self.add_q_proj, self.add_k_proj, self.add_v_proj],
+                                     ("add_q_proj", "add_k_proj", "add_v_proj"))) is not None:
             self.add_qkv, self.add_q_proj, self.add_k_proj, self.add_v_proj, stacked = qkv, None, None, None, True
         return stacked
 
@@ -241,7 +243,8 @@ class SingleStreamBlock(nnx.Module):
         """The attention's Q, K, V and the MLP projection (all of the same normed input) as one product."""
         if self.qkv_mlp is not None:
             return False
-        stacked = stacked_linear([self.attn.to_q, self.attn.to_k, self.attn.to_v, self.proj_mlp])
+        stacked = stacked_linear([self.attn.to_q, self.attn.to_k, self.attn.to_v, self.proj_mlp],
+                                 ("attn.to_q", "attn.to_k", "attn.to_v", "proj_mlp"))
         if stacked is not None:
             self.qkv_mlp, self.proj_mlp = stacked, None
             self.attn.to_q = self.attn.to_k = self.attn.to_v = None

@@ -120,7 +120,8 @@ class Attention(nnx.Module):
         four). For inference: the separate layers are gone afterwards. False when they cannot be stacked."""
         if self.to_qkvg is not None:
             return False
-        stacked = stacked_linear([self.to_q, self.to_k, self.to_v, self.to_gate])
+        stacked = stacked_linear([self.to_q, self.to_k, self.to_v, self.to_gate],
+                                 ("to_q", "to_k", "to_v", "to_gate"))
         if stacked is not None:
             self.to_qkvg = stacked
             self.to_q = self.to_k = self.to_v = self.to_gate = None
@@ -188,7 +189,7 @@ class SwiGLU(nnx.Module):
         """Replace gate and up by one Linear of their stacked weights (see `Attention.stack_projections`)."""
         if self.gate_up is not None:
             return False
-        stacked = stacked_linear([self.gate, self.up])
+        stacked = stacked_linear([self.gate, self.up], ("gate", "up"))
         if stacked is not None:
             self.gate_up, self.gate, self.up = stacked, None, None
         return stacked is not None

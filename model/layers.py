@@ -191,10 +191,12 @@ class Linear(nnx.Module):
         return residual + gate * self(x)
 
 
-def stacked_linear(layers: list[Linear]) -> Linear | None:
+def stacked_linear(layers: list[Linear], sources: tuple[str, ...]) -> Linear | None:
     """One Linear computing `layers` (same input, no adapter, all with a bias or none) side by side: their outputs
     concatenated. Bigger products run closer to the GEMMs' peak than several narrow ones (Krea 2's K and V have 1536
-    outputs). None when the layers cannot be stacked (an adapter, biases on some only, different weight formats)."""
+    outputs). None when the layers cannot be stacked (an adapter, biases on some only, different weight formats).
+    `sources`: the layers' names relative to the module that will hold the stacked one (its `stacked_from` keeps
+    them with their widths, so that `quantize_linear_layers` can still apply the checkpoint's rules)."""
     from mxdit.pallas_kernels.gemm import concat_weights
 
     if any(layer.lora is not None or layer.activation_format for layer in layers):
@@ -215,6 +217,7 @@ def stacked_linear(layers: list[Linear]) -> Linear | None:
     stacked = Linear(1, 1, bias=biased, dtype=jnp.float32, rngs=nnx.Rngs(0))  # then given the stacked weight
     stacked.in_features, stacked.out_features = layers[0].in_features, sum(layer.out_features for layer in layers)
     stacked.weight = nnx.Param(weight)
+    stacked.stacked_from = tuple((name, layer.out_features) for name, layer in zip(sources, layers, strict=True))
     if biased:
         stacked.bias = nnx.Param(jnp.concatenate([layer.bias[...] for layer in layers]))
     return stacked
@@ -299,7 +302,8 @@ def quantize_linear_layers(model: nnx.Module, rules, *, kernels: bool) -> list[s
     the like: (pattern, format) on checkpoint keys). `kernels`: to `GemmWeight`s that the low-precision GEMM
     kernels multiply directly (inference: activations quantized per token, W8A8 / MX weights); else to
     `QuantizedArray`s dequantized per call (training's frozen base). One weight at a time, so the device never holds
-    a second full copy of the model. Returns the quantized keys."""
+    a second full copy of the model. Stacked projections (`stack_projections`) are quantized as their sources would
+    have been, or refused with the reason. Returns the quantized keys."""
     from mxdit.quant.model import format_for
 
     from .loading import module_key
@@ -312,11 +316,45 @@ def quantize_linear_layers(model: nnx.Module, rules, *, kernels: bool) -> list[s
         weight = layer.weight.get_value()
         if hasattr(weight, "dequantize") or _is_gemm_weight(weight):  # quantized already
             continue
+        if getattr(layer, "stacked_from", None):
+            if (stacked := _quantized_stacked_weight(key, weight, layer.stacked_from, rules, kernels)) is not None:
+                layer.weight.set_value(stacked)
+                done.append(key)
+            continue
         fmt = format_for(key, tuple(weight.shape), rules)
         if fmt:
             layer.weight.set_value(_quantized_weight(weight, fmt, kernels))
             done.append(key)
     return done
+
+
+def _quantized_stacked_weight(key: str, weight: jax.Array, stacked_from, rules, kernels: bool):
+    """A stacked Linear's weight quantized as its sources would have been (the rules name the checkpoint's
+    projections, not the stacked one), then stacked: the same weight as quantizing before stacking. None when the
+    rules select none of them."""
+    from mxdit.pallas_kernels.gemm import concat_weights
+    from mxdit.quant.model import format_for
+
+    parent = key.rsplit(".", 2)[0]
+    parts, start, formats = [], 0, []
+    for name, width in stacked_from:
+        part = weight[start:start + width]
+        start += width
+        parts.append(part)
+        formats.append(format_for(f"{parent}.{name}.weight", tuple(part.shape), rules))
+    if not any(formats):
+        return None
+    names = ", ".join(name for name, _ in stacked_from)
+    if len(set(formats)) > 1 or not kernels:
+        why = (f"its rules give different formats ({', '.join(str(f) for f in formats)})" if len(set(formats)) > 1
+               else "stacked layers are for inference (kernels=True)")
+        raise ValueError(f"quantize_linear_layers: {key} is stacked from {names} and {why}; quantize before stacking "
+                         f"the projections")
+    try:
+        return concat_weights([_quantized_weight(part, formats[0], kernels) for part in parts])
+    except ValueError as e:
+        raise ValueError(f"quantize_linear_layers: {key} (stacked from {names}): {e}; quantize before stacking the "
+                         f"projections") from None
 
 
 def quantize_on_load(rules):

@@ -4,6 +4,7 @@ fixtures (float32)."""
 import json
 import shutil
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -173,3 +174,9 @@ def test_stacked_projections_give_the_same_output(tiny, reference, precision):
     np.testing.assert_allclose(out, expected, rtol=0, atol=1e-5 * np.abs(expected).max())
     if precision is None:
         assert relative_l2(out, reference["output"]) <= 1e-4
+    else:  # stacking first, then quantizing: the same weights (the rules name the unstacked projections)
+        after = nnx.clone(tiny)
+        stack_projections(after)
+        quantize_linear_layers(after, flux_rules(precision), kernels=True)
+        for a, b in zip(jax.tree.leaves(nnx.state(stacked)), jax.tree.leaves(nnx.state(after)), strict=True):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

@@ -76,6 +76,40 @@ def test_stacked_projections_give_the_same_velocity(tiny, precision):
     assert relative_l2(out, expected) <= 1e-6
 
 
+@pytest.mark.parametrize("precision", ["fp8", "int8"])
+def test_quantizing_after_stacking_gives_the_weights_of_quantizing_before(tiny, precision):
+    """The rules name the checkpoint's projections; a stacked Linear is quantized as its sources would have been."""
+    from mxdit.model.krea2 import stack_projections
+
+    model, inputs = tiny
+    rules = krea2_rules(PRECISIONS[precision])
+    before = nnx.clone(model)
+    quantize_linear_layers(before, rules, kernels=True)
+    stack_projections(before)
+    after = nnx.clone(model)
+    stack_projections(after)
+    keys = quantize_linear_layers(after, rules, kernels=True)
+    assert "transformer_blocks.0.attn.to_qkvg.weight" in keys and "transformer_blocks.0.ff.gate_up.weight" in keys
+    assert len(keys) == (2 + 2 + 2) * 4  # stacked QKVG, out, stacked gate/up, down
+    for a, b in zip(jax.tree.leaves(nnx.state(before)), jax.tree.leaves(nnx.state(after)), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_quantizing_after_stacking_refuses_what_would_not_have_stacked(tiny):
+    """Sources in different formats (or MX weights whose widths are no multiple of the fold) name the stacked key."""
+    from mxdit.model.krea2 import stack_projections
+
+    model, _ = tiny
+    stacked = nnx.clone(model)
+    stack_projections(stacked)
+    mixed = [(r"\.to_gate\.weight$", None)] + krea2_rules("fp8_e4m3")
+    with pytest.raises(ValueError, match=r"layerwise_blocks\.0\.attn\.to_qkvg\.weight is stacked from to_q, to_k, "
+                                         r"to_v, to_gate and its rules give different formats"):
+        quantize_linear_layers(nnx.clone(stacked), mixed, kernels=True)
+    with pytest.raises(ValueError, match=r"to_qkvg\.weight \(stacked from .*cannot stack.*quantize before stacking"):
+        quantize_linear_layers(nnx.clone(stacked), krea2_rules("mxfp6_e2m3"), kernels=True)
+
+
 @pytest.mark.parametrize("fmt", ["mxfp6_e2m3", "fp8_e4m3"])
 def test_concatenated_gemm_weights_multiply_as_the_separate_ones(fmt):
     """MX weights folded per 128 x 128 tile stack when each output count is a multiple of 128 (Krea 2's 6144 and
