@@ -335,7 +335,7 @@ class MosaicConfig:
     prefetch_residual: bool = False
 
 
-def default_mosaic_config(m: int, n: int, k: int, block_scaled: bool) -> MosaicConfig:
+def default_mosaic_config(m: int, n: int, k: int, block_scaled: bool, residual: bool = False) -> MosaicConfig:
     """The tiles the benchmark picked for this kind of shape on an H200 (see pallas_kernels/NOTES.md)."""
     if block_scaled:
         # Promotion keeps a partial and a total accumulator in registers: 64 x 128 per warpgroup leaves room for both.
@@ -346,9 +346,13 @@ def default_mosaic_config(m: int, n: int, k: int, block_scaled: bool) -> MosaicC
         return MosaicConfig(tile_m=64, tile_n=128, max_concurrent_steps=4)
     if m % 256:
         # 256-row CTAs would pad M (Krea 2 with trimmed text: 4096 + 128 = 4224 rows) and copy x, the residual and
-        # the output around the kernel. 64-row tiles in 3 (or 2) warpgroups divide it: at M = 4224, 1298 vs 1251
-        # TFLOP/s (N = 15360) and 1262 vs 1065 (16384 -> 6144 with the residual epilogue), NOTES.md session 5.
-        return MosaicConfig(tile_m=64, tile_n=128, max_concurrent_steps=4, compute_wgs=3 if m % 192 == 0 else 2)
+        # the output around the kernel. 128-row CTAs of two 64 x 256 tiles divide it, and the wide tile halves the
+        # per-tile overhead. At M = 4224 against 64 x 128 in 3 warpgroups (us, pallas_kernels/NOTES.md session 6):
+        # 566 vs 579 (N = 15360), 1240 vs 1261-1351 (N = 32768) with 128-wide output slices; with the residual
+        # epilogue fetched during the main loop, 259 vs 270 (6144 -> 6144) and 598 vs 623 (16384 -> 6144).
+        if residual:
+            return MosaicConfig(tile_m=64, tile_n=256, max_concurrent_steps=3, compute_wgs=2, prefetch_residual=True)
+        return MosaicConfig(tile_m=64, tile_n=256, max_concurrent_steps=3, compute_wgs=2, epi_tile_n=128)
     return MosaicConfig(tile_m=128, tile_n=128, max_concurrent_steps=3)
 
 
@@ -716,7 +720,7 @@ def scaled_matmul(x: jax.Array, w: GemmWeight, x_scale: jax.Array | None = None,
                          f"{w.layout!r} runs on backend='triton'")
     x_blocks, w_blocks = x_scale.ndim == 2, w.layout == "block"
     ws = w.scale
-    config = config or default_mosaic_config(m, w.n, w.k, x_blocks or w_blocks)
+    config = config or default_mosaic_config(m, w.n, w.k, x_blocks or w_blocks, residual is not None)
     # The kernel takes whole tiles: pad rows and columns (cheap next to the product for DiT shapes, which need none).
     cta_m, tn = config.compute_wgs * config.tile_m, config.tile_n
     pm, pn = (-m) % cta_m, (-w.n) % tn

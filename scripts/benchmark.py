@@ -544,6 +544,11 @@ def jax_krea2_pipeline(args) -> list[dict]:
     jax.block_until_ready(nnx.state(pipe.transformer))
     print(json.dumps({"jax_pipeline_init_s": time.perf_counter() - t0}), flush=True)
     base = pipe.transformer
+    from mxdit.model.krea2 import trim_padded_text
+
+    embeds, mask = pipe.encode_prompt([args.prompt], 512)
+    text_tokens = trim_padded_text(embeds, mask)[0].shape[1] if args.trim_text else embeds.shape[1]
+    print(json.dumps({"text_tokens": text_tokens, "real_text_tokens": int(np.asarray(mask).sum())}), flush=True)
     rows = []
     for precision in args.precisions:
         # a copy each: the quantization rules name the unstacked projections, so every precision starts from the
@@ -553,10 +558,10 @@ def jax_krea2_pipeline(args) -> list[dict]:
         for attention in args.jax_attention:
             transformer.attention = attention
             for run in range(1 + args.repeats):
-                out = pipe("a red fox in the snow, photo", height=args.height, width=args.width,
+                out = pipe(args.prompt, height=args.height, width=args.width,
                            num_inference_steps=args.steps, trim_text=args.trim_text)
                 label = f"cold ({cache})" if run == 0 else f"warm run {run}"
-                row = {"name": f"jax {precision}, {attention} {label}", **out.timings}
+                row = {"name": f"jax {precision}, {attention} {label}", "text_tokens": text_tokens, **out.timings}
                 print(json.dumps(row), flush=True)
                 rows.append(row)
     rows.append({"name": "jax peak", "peak_gb": (jax.devices()[0].memory_stats() or {}).get("peak_bytes_in_use", 0) / 1e9})
@@ -594,7 +599,7 @@ def diffusers_krea2_pipeline(args) -> list[dict]:
                          transformer=transformer, is_distilled=True)
     pipe.set_progress_bar_config(disable=True)
     print(json.dumps({"diffusers_pipeline_init_s": time.perf_counter() - t0}), flush=True)
-    prompt = "a red fox in the snow, photo"
+    prompt = args.prompt
 
     def timed(fn):
         torch.cuda.synchronize()
@@ -627,7 +632,8 @@ def krea2_pipeline(args) -> None:
     import tempfile
 
     forwarded = ["--height", str(args.height), "--width", str(args.width), "--steps", str(args.steps),
-                 "--repeats", str(args.repeats)] + (["--num-layers", str(args.num_layers)] if args.num_layers else [])
+                 "--repeats", str(args.repeats), "--prompt", args.prompt] + (
+                     ["--num-layers", str(args.num_layers)] if args.num_layers else [])
     rows = _subprocess_rows(args, "krea2-pipeline-diffusers", forwarded) if args.diffusers else []
     ours = forwarded + ["--precisions", *args.precisions, "--jax-attention", *args.jax_attention]
     ours += [] if args.trim_text else ["--no-trim-text"]
@@ -1355,6 +1361,8 @@ def main(argv=None) -> None:
                        help="denoise all 512 text tokens, as diffusers does (default: the padding dropped)")
         p.add_argument("--cached-too", action="store_true",
                        help="a second process of ours that starts from the first one's compilation cache")
+        p.add_argument("--prompt", default="a red fox in the snow, photo",
+                       help="its length sets the trimmed text (the demo tokenizer: about a token a word)")
         p.add_argument("--json", default=None)
     for name in ("flux-step", "flux-step-diffusers", "flux-step-jax"):
         p = sub.add_parser(name)

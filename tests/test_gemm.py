@@ -91,15 +91,20 @@ def test_fused_epilogue_is_residual_plus_gate_times_activation(backend):
     assert relative_l2(y, expected) < 1e-6
 
 
-@pytest.mark.parametrize("tile_n", [128, 192])
-def test_mosaic_residual_prefetched_during_the_main_loop(tile_n):
-    """The residual's first two column slices fetched when a tile starts (into the output's staging slots); with
-    three slices the third waits for its slot as before. Several tiles run one after another in each slot."""
-    x, w = _operands(8, m=128, k=256, n=2 * tile_n)
-    residual = jax.random.normal(jax.random.key(4), (128, 2 * tile_n))
+@pytest.mark.parametrize("config", [
+    gemm.MosaicConfig(64, 128, 2, epi_tile_n=64, prefetch_residual=True),
+    gemm.MosaicConfig(64, 192, 2, epi_tile_n=64, prefetch_residual=True),  # the third slice waits for its slot
+    gemm.default_mosaic_config(4224, 6144, 6144, False, residual=True),
+    gemm.default_mosaic_config(4224, 6144, 6144, False, residual=False),
+], ids=["128", "192", "default-M4224-residual", "default-M4224"])
+def test_mosaic_residual_epilogue_with_large_tiles_and_prefetch(config):
+    """The residual's first two column slices fetched when a tile starts (into the output's staging slots); the
+    defaults for M = 4224 (64 x 256 tiles). Several tiles run one after another in each slot."""
+    n = 2 * config.tile_n
+    x, w = _operands(8, m=128, k=384, n=n)
+    residual = jax.random.normal(jax.random.key(4), (128, n))
     wq = gemm.prepare_weight(w, "fp8_e4m3", backend="mosaic")
     xq, xs = gemm.quantize_activations(x, "token")
-    config = gemm.MosaicConfig(64, tile_n, 2, epi_tile_n=64, prefetch_residual=True)
     y = gemm.scaled_matmul(xq, wq, xs, residual=residual, backend="mosaic", config=config, interpret=True,
                            out_dtype=jnp.float32)
     ref = gemm.scaled_matmul_reference(xq, xs, wq, residual=residual, out_dtype=jnp.float32)
