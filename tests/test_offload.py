@@ -62,3 +62,22 @@ def test_loading_places_streamed_blocks_in_host_memory():
     kind = lambda module: {x.sharding.memory_kind for x in jax.tree.leaves(nnx.state(module))}
     assert kind(model.transformer_blocks[0]) == {"device"} and kind(model.transformer_blocks[1]) == {"pinned_host"}
     assert kind(model.img_in) == {"device"}
+
+
+def test_stacking_host_memory_blocks_keeps_them_there():
+    """`stack_projections` on streamed blocks (generate.py --offload stacks after loading): the stacked weights stay
+    in host memory (stacked on the device: XLA's host compute for it was slow) and equal the device-stacked ones."""
+    from mxdit.model.krea2 import stack_projections
+    from mxdit.model.loading import place_parameters
+    from mxdit.model.offload import streamed_block_placement
+
+    with place_parameters(streamed_block_placement(1)):
+        streamed = Krea2Transformer.from_pretrained(FIXTURES / "krea2" / "tiny", jnp.float32)
+    plain = Krea2Transformer.from_pretrained(FIXTURES / "krea2" / "tiny", jnp.float32)
+    assert stack_projections(streamed) == stack_projections(plain) > 0
+    kind = lambda module: {x.sharding.memory_kind for x in jax.tree.leaves(nnx.state(module))}
+    assert kind(streamed.transformer_blocks[1]) == {"pinned_host"} and kind(streamed.transformer_blocks[0]) == {"device"}
+    block = streamed.transformer_blocks[1]
+    assert block.attn.to_qkvg is not None and block.ff.gate_up is not None
+    for a, b in zip(jax.tree.leaves(nnx.state(streamed)), jax.tree.leaves(nnx.state(plain)), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
