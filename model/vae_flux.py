@@ -8,6 +8,7 @@ latent scaling, tiling and loading. Arrays are channels-last: images (batch, hei
 
 from __future__ import annotations
 
+import functools
 import dataclasses
 import re
 from pathlib import Path
@@ -253,7 +254,7 @@ class FluxVAE(nnx.Module):
         check_images(images, self.config.in_channels, self.config.spatial_compression)
         images = jnp.asarray(images, self.dtype)
         r = self.config.spatial_compression
-        fn = nnx.cached_partial(_encode_fn, self)  # one graph traversal for all tiles
+        fn = functools.partial(_encode_fn, self)
         if tiled:
             moments = tiled_apply(fn, images, self._tilings(tile_size)[0], (images.shape[1] // r, images.shape[2] // r))
         else:
@@ -270,7 +271,7 @@ class FluxVAE(nnx.Module):
         check_latents(latents, self.config.latent_channels)
         latents = jnp.asarray(latents, self.dtype)
         r = self.config.spatial_compression
-        fn = nnx.cached_partial(_decode_fn, self)
+        fn = functools.partial(_decode_fn, self)
         if tiled:
             return tiled_apply(fn, latents, self._tilings(tile_size)[1], (latents.shape[1] * r, latents.shape[2] * r))
         return fn(latents)
@@ -303,13 +304,13 @@ class FluxVAE(nnx.Module):
         )
 
 
-@nnx.jit
+@jax.jit  # the module as a pytree: less host time a call than nnx.jit's graph traversal
 def _encode_fn(vae: FluxVAE, images: jax.Array) -> jax.Array:
     h = vae.encoder(images)
     return vae.quant_conv(h) if vae.quant_conv is not None else h
 
 
-@nnx.jit
+@jax.jit
 def _decode_fn(vae: FluxVAE, latents: jax.Array) -> jax.Array:
     if vae.post_quant_conv is not None:
         latents = vae.post_quant_conv(latents)

@@ -13,6 +13,7 @@ normalisation, tiling and loading. Arrays are channels-last: images (batch, heig
 
 from __future__ import annotations
 
+import functools
 import dataclasses
 import re
 from pathlib import Path
@@ -237,7 +238,7 @@ class QwenImageVAE(nnx.Module):
         out_size = (images.shape[1] // r, images.shape[2] // r)
         if tiled:
             tiling = Tiling(tile=tile_size, stride=tile_stride, blend=(tile_size - tile_stride) // r, keep=tile_stride // r)
-            moments = tiled_apply(nnx.cached_partial(_encode_fn, self), images, tiling, out_size)
+            moments = tiled_apply(functools.partial(_encode_fn, self), images, tiling, out_size)
         else:
             moments = _encode_fn(self, images)
         mean, logvar = jnp.split(moments, 2, axis=-1)
@@ -256,7 +257,7 @@ class QwenImageVAE(nnx.Module):
         out_size = (latents.shape[1] * r, latents.shape[2] * r)
         if tiled:
             tiling = Tiling(tile=tile_size // r, stride=tile_stride // r, blend=tile_size - tile_stride, keep=tile_stride)
-            images = tiled_apply(nnx.cached_partial(_decode_fn, self), latents, tiling, out_size)
+            images = tiled_apply(functools.partial(_decode_fn, self), latents, tiling, out_size)
         else:
             images = _decode_fn(self, latents)
         return jnp.clip(images, -1.0, 1.0)
@@ -295,12 +296,12 @@ class QwenImageVAE(nnx.Module):
         )
 
 
-@nnx.jit
+@jax.jit  # the module as a pytree: less host time a call than nnx.jit's graph traversal
 def _encode_fn(vae: QwenImageVAE, images: jax.Array) -> jax.Array:
     return vae.quant_conv(vae.encoder(images))
 
 
-@nnx.jit
+@jax.jit
 def _decode_fn(vae: QwenImageVAE, latents: jax.Array) -> jax.Array:
     return vae.decoder(vae.post_quant_conv(latents))
 

@@ -76,15 +76,13 @@ def test_turbo_matches_diffusers_with_several_images_per_prompt(pipe, reference)
 def test_trimmed_text_padding_gives_the_same_latents(pipe):
     """The pipeline drops padded text tokens before denoising (`trim_text`, on by default): with CFG (two prompts of
     different lengths) the latents equal those of the run over all max_sequence_length tokens, as diffusers runs."""
-    from flax import nnx
-
     from mxdit.model.pipeline_krea2 import denoise_step
 
     seen = []
 
     def recording_step(latents, embeds, *args):
         seen.append(embeds.shape[1])
-        return nnx.cached_partial(denoise_step, pipe.transformer)(latents, embeds, *args)
+        return denoise_step(pipe.transformer, latents, embeds, *args)
 
     kwargs = dict(height=HEIGHT, width=WIDTH, num_inference_steps=2, guidance_scale=4.5, seed=1,
                   max_sequence_length=100, output_type="latent")
