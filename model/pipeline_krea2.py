@@ -22,7 +22,7 @@ from flax import nnx
 from .pipeline_common import PipelineOutput, check_components, image_position_ids, pack_latents, unpack_latents
 from .flow_match import KREA2_TURBO_MU, NUM_TRAIN_TIMESTEPS, ShiftConfig, euler_step, flow_match_schedule
 from .images import to_pil
-from .krea2 import Krea2Config, Krea2Transformer, trim_padded_text
+from .krea2 import JOINT_TOKENS_MULTIPLE, Krea2Config, Krea2Transformer, trim_padded_text
 from .loading import read_json
 from .qwen3vl_text import Qwen3VLTextConfig, Qwen3VLTextEncoder
 from .tokenizer import TextTokenizer, save_demo_tokenizer
@@ -175,12 +175,12 @@ class Krea2Pipeline:
         mask = jnp.repeat(mask, num_images_per_prompt, axis=0) if num_images_per_prompt > 1 else mask
         # The transformer's text stage depends on the prompt only: once here, not in every step.
         embeds = _fuse_text(self.transformer, embeds, mask)
+        grid_h, grid_w = height // multiple, width // multiple
         if trim_text:
-            embeds, mask = trim_padded_text(embeds, mask)
+            embeds, mask = trim_padded_text(embeds, mask, image_len=grid_h * grid_w, joint_multiple=JOINT_TOKENS_MULTIPLE)
         embeds = jax.block_until_ready(embeds)
         timings["text encode"] = time.perf_counter() - t0
 
-        grid_h, grid_w = height // multiple, width // multiple
         channels = self.transformer.config.in_channels
         if latents is None:
             noise = jax.random.normal(jax.random.key(seed), (batch, grid_h * 2, grid_w * 2, channels // 4), jnp.float32)

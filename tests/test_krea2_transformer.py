@@ -84,6 +84,21 @@ def test_trimmed_text_gives_diffusers_velocity(tiny, reference, multiple, kept):
     np.testing.assert_allclose(np.asarray(out), np.asarray(full), rtol=0, atol=1e-5)
 
 
+def test_trimmed_length_rounds_the_joint_sequence_when_asked():
+    """`joint_multiple`: the shortest kept length (a multiple of `multiple`) that makes image + text a multiple of
+    it; the plain rounding when none fits in the padded length."""
+    from mxdit.model.krea2 import JOINT_TOKENS_MULTIPLE, trim_padded_text
+
+    fused, mask = jnp.zeros((2, 512, 3)), np.arange(512)[None] < np.array([[13], [7]])
+    kept = lambda **kw: trim_padded_text(fused, mask, **kw)[0].shape[1]
+    assert kept() == 64
+    assert kept(image_len=4096, joint_multiple=JOINT_TOKENS_MULTIPLE) == 128  # 1024x1024: 4224 tokens
+    assert kept(image_len=4032, joint_multiple=JOINT_TOKENS_MULTIPLE) == 192  # 768x1344: 4224 tokens
+    assert kept(image_len=4080, joint_multiple=JOINT_TOKENS_MULTIPLE) == 64   # no multiple of 64 fits: plain rounding
+    out, out_mask = trim_padded_text(fused, mask, image_len=4096, joint_multiple=JOINT_TOKENS_MULTIPLE)
+    np.testing.assert_array_equal(np.asarray(out_mask).sum(1), [13, 7])
+
+
 def test_padded_text_tokens_do_not_change_image_tokens(tiny, reference):
     ref = dict(reference)
     mask = ref["encoder_attention_mask"]
