@@ -9,7 +9,11 @@ streamed step's time minus the all-resident one (`scripts/benchmark.py krea2-off
 Measured on the H200 (NOTES.md, session 5): a bf16 block (0.87 GB) crosses PCIe in 16.7 ms (52 GB/s) and computes in
 6.7 ms at 4224 tokens, so the copies overlap the compute but streamed blocks are copy-bound: 18 of 28 blocks resident
 under a 24 GB cap, 0.273 s a step against 0.187 all resident (31.7% exposed; 79.7% when each copy was its own
-`device_put` and the host waited per block). Some repeats ran far slower (spread 8.6x): not understood yet.
+`device_put` and the host waited per block). FP8 blocks (0.43 GB, session 6): 20 of 28 resident 0.174 s against
+0.120, 10 resident 0.254 (31% and 53% exposed), ~7 ms a streamed block where the copy alone should take ~8.3 and
+overlap ~4.2 of compute. The first repeat of every capped run took 11-12 s a step: XLA had run `stack_projections`'
+concatenation of host-memory weights as host compute (now stacked on the device, `layers.stacked_linear`), a
+suspect not yet confirmed on the GPU.
 """
 
 from __future__ import annotations
