@@ -138,12 +138,16 @@ class FluxPipeline:
         guidance = jnp.float32(guidance_scale) if self.is_dev else None
 
         t0 = time.perf_counter()
-        step = functools.partial(_denoise_step, self.transformer)
-        for i in range(steps):
-            t = np.float32(timesteps[i]) / np.float32(NUM_TRAIN_TIMESTEPS)
-            latents = step(latents, embeds, pooled, img_ids, txt_ids, jnp.float32(t), guidance,
-                           jnp.float32(sigmas[i]), jnp.float32(sigmas[i + 1]), jnp.float32(true_cfg_scale), true_cfg)
-            if callback is not None:
+        times = np.asarray(timesteps, np.float32) / np.float32(NUM_TRAIN_TIMESTEPS)
+        if callback is None:  # nothing to report between steps: the whole loop is one program (as Krea 2's)
+            latents = _denoise_loop(self.transformer, latents, embeds, pooled, img_ids, txt_ids, jnp.asarray(times),
+                                    guidance, jnp.asarray(sigmas, jnp.float32), jnp.float32(true_cfg_scale), true_cfg)
+        else:
+            step = functools.partial(_denoise_step, self.transformer)
+            for i in range(steps):
+                latents = step(latents, embeds, pooled, img_ids, txt_ids, jnp.float32(times[i]), guidance,
+                               jnp.float32(sigmas[i]), jnp.float32(sigmas[i + 1]), jnp.float32(true_cfg_scale),
+                               true_cfg)
                 callback(i, float(timesteps[i]), latents)
         latents = jax.block_until_ready(latents)
         timings["denoise"] = time.perf_counter() - t0
@@ -170,9 +174,8 @@ def _t5(encoder: T5Encoder, ids):
     return encoder(ids)
 
 
-@functools.partial(jax.jit, static_argnames=("true_cfg",))
-def _denoise_step(model: FluxTransformer, latents, embeds, pooled, img_ids, txt_ids, t, guidance, sigma, sigma_next,
-                  true_cfg_scale, true_cfg: bool):
+def _step(model: FluxTransformer, latents, embeds, pooled, img_ids, txt_ids, t, guidance, sigma, sigma_next,
+          true_cfg_scale, true_cfg: bool):
     """One Euler step; with true CFG the batch of embeds holds [conditional; negative]."""
     batch = latents.shape[0]
     x = jnp.concatenate([latents, latents]) if true_cfg else latents
@@ -183,3 +186,17 @@ def _denoise_step(model: FluxTransformer, latents, embeds, pooled, img_ids, txt_
         cond, neg = velocity[:batch], velocity[batch:]
         velocity = neg + true_cfg_scale.astype(cond.dtype) * (cond - neg)
     return euler_step(latents, velocity, sigma, sigma_next)
+
+
+_denoise_step = jax.jit(_step, static_argnames=("true_cfg",))
+
+
+@functools.partial(jax.jit, static_argnames=("true_cfg",))
+def _denoise_loop(model: FluxTransformer, latents, embeds, pooled, img_ids, txt_ids, times, guidance, sigmas,
+                  true_cfg_scale, true_cfg: bool):
+    """All of `_denoise_step`'s steps in one program: times (steps,) flow times, sigmas (steps + 1,)."""
+    def body(i, latents):
+        return _step(model, latents, embeds, pooled, img_ids, txt_ids, times[i], guidance, sigmas[i], sigmas[i + 1],
+                     true_cfg_scale, true_cfg)
+
+    return jax.lax.fori_loop(0, times.shape[0], body, latents)

@@ -63,8 +63,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="JAX's persistent compilation cache, so that a second run starts fast ('' : off)")
     parser.add_argument("--tiled-decode", action="store_true", help="decode the VAE in tiles (large images)")
     parser.add_argument("--progress", action="store_true",
-                        help="a progress bar per denoising step (waits for each step; without it Krea 2 runs all "
-                             "steps as one program)")
+                        help="a progress bar per denoising step (waits for each step; without it all steps run as "
+                             "one program)")
     parser.add_argument("--max-sequence-length", type=int, default=None,
                         help="text tokens (default: Krea 2 512, FLUX.1-dev 512, schnell 256)")
     add_device_arguments(parser, "Krea 2 on several devices, e.g. data=2,seq=4,cfg=2 (axes data, cfg, seq, fsdp; "
@@ -240,7 +240,7 @@ def main(argv=None) -> int:
         if not args.progress:
             print(f"denoising: {steps} steps")
         try:
-            # Without a per-step callback Krea 2's pipeline runs all steps as one program (no host round trip).
+            # Without a per-step callback the pipelines run all steps as one program (no host round trip).
             out = pipe(args.prompt, args.negative_prompt, height=args.height, width=args.width, num_inference_steps=steps,
                        num_images_per_prompt=args.num_images, seed=args.seed,
                        callback=on_step if args.progress else None, tiled_decode=args.tiled_decode, **options)

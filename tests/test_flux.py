@@ -133,6 +133,18 @@ def test_true_cfg_with_a_negative_prompt_matches_diffusers(pipe, pipeline_refere
     assert relative_l2(out.latents, pipeline_reference["true_cfg_latents_out"]) <= 1e-3
 
 
+@pytest.mark.parametrize("negative", [None, "blurry"])
+def test_steps_as_one_program_equal_the_steps_one_by_one(pipe, pipeline_reference, negative):
+    """Without a callback all steps run as one program; with one, a step at a time: the same latents."""
+    seen = []
+    kwargs = dict(true_cfg_scale=2.0, height=64, width=48, num_inference_steps=3, guidance_scale=3.5,
+                  latents=pipeline_reference["latents_in"], max_sequence_length=16, output_type="latent")
+    loop = pipe(PROMPTS, negative, **kwargs).latents
+    stepped = pipe(PROMPTS, negative, callback=lambda i, t, latents: seen.append(i), **kwargs).latents
+    assert seen == [0, 1, 2]
+    np.testing.assert_allclose(loop, stepped, rtol=0, atol=1e-5)
+
+
 def test_schnell_schedule_has_no_dynamic_shift():
     sigmas, timesteps = flow_match_schedule(4, static_shift=1.0)
     np.testing.assert_allclose(sigmas, [1.0, 0.75, 0.5, 0.25, 0.0], atol=1e-7)
