@@ -395,18 +395,20 @@ def load_quantized_model(build, path) -> nnx.Module:
     """The module `build()` makes (only traced) with its parameters from mxdit's quantized checkpoint (one file from
     scripts/quantize.py, `quant.model.save_quantized`): the quantized matrices become the GEMM kernels' weights as
     they are read (as `quantize_linear_layers(kernels=True)` makes them: the device never holds them in bf16), the
-    other tensors are cast to the module's dtypes. Errors name the file and the keys."""
+    other tensors are cast to the module's dtypes; the file is read into host memory and each tensor moves to the
+    device as it is placed (through `loading.place_parameters`, e.g. streamed blocks on to host memory). Errors name
+    the file and the keys."""
     from mxdit.pallas_kernels.gemm import WEIGHT_FORMATS
     from mxdit.quant.formats import QuantizedArray
     from mxdit.quant.model import QuantizedCheckpointError, load_quantized
 
-    from .loading import CheckpointError, key_problems, module_key
+    from .loading import CheckpointError, key_problems, module_key, placed
 
     path = Path(path)
     if not path.is_file():
         raise CheckpointError(f"{path}: no such file")
     try:
-        params = load_quantized(path)
+        params = load_quantized(path, on_host=True)
     except QuantizedCheckpointError as e:
         raise CheckpointError(str(e)) from None
     abstract = nnx.eval_shape(build)
@@ -435,8 +437,8 @@ def load_quantized_model(build, path) -> nnx.Module:
         if isinstance(value, QuantizedArray):
             value = prepare_jit(value, backend="mosaic")
         else:
-            value = value.astype(variable.get_value().dtype)
-        variable.set_value(value)
+            value = jax.device_put(value).astype(variable.get_value().dtype)
+        variable.set_value(placed(key, value))
     return nnx.merge(graphdef, nnx.from_flat_state(flat))
 
 

@@ -283,6 +283,12 @@ def place_parameters(*places: Callable[[str, jax.Array], jax.Array]):
         _PLACEMENT.reset(token)
 
 
+def placed(key: str, value):
+    """`value` (an array or a pytree of them, e.g. a kernel weight) through the active `place_parameters`, or as is."""
+    place = _PLACEMENT.get()
+    return value if place is None else place(key, value)
+
+
 def load_state(
     build: Callable[[], nnx.Module],
     checkpoint: SafetensorsCheckpoint,
@@ -336,9 +342,7 @@ def load_state(
         want = variable.get_value()
         if value.dtype != want.dtype:
             value = value.astype(want.dtype)
-        if (place := _PLACEMENT.get()) is not None:
-            value = place(name, value)
-        variable.set_value(value)
+        variable.set_value(placed(name, value))
         del array
     return nnx.merge(graphdef, nnx.from_flat_state(flat))
 

@@ -114,8 +114,10 @@ def save_quantized(params: Mapping[str, jax.Array | QuantizedArray], path: str |
         tmp.unlink(missing_ok=True)
 
 
-def load_quantized(path: str | Path) -> dict[str, jax.Array | QuantizedArray]:
-    """Inverse of `save_quantized`: the same parameters, QuantizedArrays rebuilt bit for bit."""
+def load_quantized(path: str | Path, *, on_host: bool = False) -> dict[str, jax.Array | QuantizedArray]:
+    """Inverse of `save_quantized`: the same parameters, QuantizedArrays rebuilt bit for bit. `on_host`: numpy arrays
+    (host memory) instead of device arrays, for a caller that moves them one at a time."""
+    to_array = np.asarray if on_host else jnp.asarray
     from safetensors import safe_open
 
     path = Path(path)
@@ -131,13 +133,13 @@ def load_quantized(path: str | Path) -> dict[str, jax.Array | QuantizedArray]:
             stored = f"{key}.{name}"
             if stored not in handle.keys():
                 raise QuantizedCheckpointError(f"{path}: {key} is quantized ({info['format']}) but {stored} is missing")
-            arrays[name] = jnp.asarray(_restore(handle.get_tensor(stored), dtype))
+            arrays[name] = to_array(_restore(handle.get_tensor(stored), dtype))
             used.add(stored)
         out[key] = QuantizedArray(arrays["qdata"], arrays["qscale"], arrays.get("qtensor_scale"), info["format"],
                                   tuple(info["shape"]), int(info["axis"]))
     for key in handle.keys():
         if key not in used:
-            out[key] = jnp.asarray(handle.get_tensor(key))
+            out[key] = to_array(handle.get_tensor(key))
     return out
 
 

@@ -58,7 +58,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                              "lowering; int8_mosaic: INT8-QK, Hopper)")
     parser.add_argument("--offload", type=int, default=None, metavar="RESIDENT",
                         help="Krea 2 on a GPU smaller than the model: keep RESIDENT joint blocks on the device and "
-                             "stream the others from host memory, loaded straight there (in --precision's format)")
+                             "stream the others from host memory, loaded straight there (in --precision's or "
+                             "--quantized's format)")
     parser.add_argument("--compile-cache", type=Path, default=Path.home() / ".cache" / "mxdit" / "jax",
                         help="JAX's persistent compilation cache, so that a second run starts fast ('' : off)")
     parser.add_argument("--tiled-decode", action="store_true", help="decode the VAE in tiles (large images)")
@@ -115,8 +116,8 @@ def parse_args(argv=None) -> argparse.Namespace:
             parser.error("--quantized needs --model (the folder with the other components and transformer/config.json)")
         if not args.quantized.is_file():
             parser.error(f"--quantized {args.quantized}: no such file")
-        for given, name in ((args.precision != "bf16", "--precision"), (args.offload is not None, "--offload"),
-                            (args.mesh is not None, "--mesh"), (args.fuse_lora, "--fuse-lora")):
+        for given, name in ((args.precision != "bf16", "--precision"), (args.mesh is not None, "--mesh"),
+                            (args.fuse_lora, "--fuse-lora")):
             if given:
                 parser.error(f"--quantized with {name}: the file's formats are the precision; {name} is not "
                              "supported with it")
@@ -170,13 +171,12 @@ def main(argv=None) -> int:
         if args.demo:
             pipe = demo_pipeline(Path(tempfile.mkdtemp(prefix="mxdit-demo-tokenizer-")), seed=0, dtype=dtype)
             print("mxdit demo: tiny Krea 2-shaped model with RANDOM weights -- the image is noise, not a picture.")
-        elif args.quantized is not None:
-            pipe = load_pipeline(args.model, dtype=dtype, quantized_transformer=args.quantized)
         else:
             from mxdit.model.loading import place_parameters
 
             places = []  # applied to each tensor as it is read
-            if args.precision != "bf16" and not args.fuse_lora:  # quantized as read: never all in bf16 on the device
+            if args.quantized is None and args.precision != "bf16" and not args.fuse_lora:
+                # quantized as read: never all in bf16 on the device
                 from mxdit.model.layers import PRECISIONS, quantize_on_load
                 from mxdit.quant.model import flux_rules, krea2_rules
 
@@ -189,7 +189,7 @@ def main(argv=None) -> int:
 
                 places.append(streamed_block_placement(args.offload))
             with place_parameters(*places):
-                pipe = load_pipeline(args.model, dtype=dtype)
+                pipe = load_pipeline(args.model, dtype=dtype, quantized_transformer=args.quantized)
         if args.attention:
             from mxdit.model.layers import attention_implementation
 

@@ -154,8 +154,15 @@ def test_quantized_checkpoint_from_quantize_py_generates_as_precision_does(tmp_p
     code, captured = run(common + ["--precision", "fp8", "--output", str(tmp_path / "p.png")], capsys)
     assert code == 0, captured.err
     np.testing.assert_array_equal(np.asarray(Image.open(tmp_path / "q.png")), np.asarray(Image.open(tmp_path / "p.png")))
+    # with weight streaming: the file's kernel weights of the blocks after the first go to host memory as they are
+    # read; the same image (float32, as in the offload test below)
+    for extra, name in (([], "qf.png"), (["--offload", "1"], "qo.png")):
+        code, captured = run(common + ["--quantized", str(qfile), "--dtype", "fp32", *extra, "--output",
+                                       str(tmp_path / name)], capsys)
+        assert code == 0, captured.err
+    np.testing.assert_array_equal(np.asarray(Image.open(tmp_path / "qo.png")), np.asarray(Image.open(tmp_path / "qf.png")))
     for extra, message in ((["--precision", "mxfp4"], "--quantized with --precision"),
-                           (["--offload", "1"], "--quantized with --offload")):
+                           (["--mesh", "data=1"], "--quantized with --mesh")):
         code, captured = run(common + ["--quantized", str(qfile), *extra, "--output", str(tmp_path / "x.png")], capsys)
         assert code == 2 and message in captured.err
     code, captured = run(common + ["--quantized", str(tmp_path / "none.safetensors"), "--output",

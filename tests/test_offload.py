@@ -81,3 +81,26 @@ def test_stacking_host_memory_blocks_keeps_them_there():
     assert block.attn.to_qkvg is not None and block.ff.gate_up is not None
     for a, b in zip(jax.tree.leaves(nnx.state(streamed)), jax.tree.leaves(nnx.state(plain)), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_quantized_checkpoint_loads_streamed_blocks_into_host_memory(tmp_path):
+    """`load_quantized_model` under `streamed_block_placement` (generate.py --quantized with --offload): the file is
+    read into host memory, the resident blocks' kernel weights go to the device, the streamed ones to pinned host
+    memory; the same weights as loading it whole."""
+    from mxdit.model.layers import load_quantized_model
+    from mxdit.model.loading import iter_params, place_parameters
+    from mxdit.model.offload import streamed_block_placement
+    from mxdit.quant.model import krea2_rules, quantize_model, save_quantized
+
+    model = Krea2Transformer.from_pretrained(FIXTURES / "krea2" / "tiny", jnp.float32)
+    path = tmp_path / "q.safetensors"
+    save_quantized(quantize_model(dict(iter_params(model)), krea2_rules("fp8_e4m3")), path)
+    build = lambda: Krea2Transformer(model.config, dtype=jnp.float32, rngs=nnx.Rngs(0))
+    with place_parameters(streamed_block_placement(1)):
+        streamed = load_quantized_model(build, path)
+    whole = load_quantized_model(build, path)
+    kind = lambda module: {x.sharding.memory_kind for x in jax.tree.leaves(nnx.state(module))}
+    assert kind(streamed.transformer_blocks[0]) == {"device"} and kind(streamed.transformer_blocks[1]) == {"pinned_host"}
+    assert kind(streamed.img_in) == {"device"}
+    for a, b in zip(jax.tree.leaves(nnx.state(streamed)), jax.tree.leaves(nnx.state(whole)), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
