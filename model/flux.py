@@ -315,6 +315,21 @@ class FluxTransformer(nnx.Module):
             img_ids: (image_seq, 3), txt_ids: (text_seq, 3) rotary coordinates.
         Returns: (batch, image_seq, out_channels * patch_size**2).
         """
+        x, context, temb, rotary = self.embed(hidden_states, encoder_hidden_states, pooled_projections, timestep,
+                                              img_ids, txt_ids, guidance)
+        for block in self.transformer_blocks:
+            x, context = self.run_double_block(block, x, context, temb, rotary)
+        text = context.shape[1]
+        x = jnp.concatenate([context, x], axis=1)
+        for block in self.single_transformer_blocks:
+            x = self.run_single_block(block, x, temb, rotary)
+        return self.finish(x, temb, text)
+
+    def embed(self, hidden_states, encoder_hidden_states, pooled_projections, timestep, img_ids, txt_ids,
+              guidance=None):
+        """Everything before the blocks (arguments as `__call__`): the image and text streams, the time embedding and
+        the rotary tables. `__call__` is `embed`, the double blocks, the streams joined [text, image], the single
+        blocks, then `finish` (model/offload.py runs them apart)."""
         if self.config.guidance_embeds and guidance is None:
             raise ValueError("this FLUX transformer embeds guidance (FLUX.1-dev): pass guidance=")
         x = self.x_embedder(jnp.asarray(hidden_states, self.dtype))
@@ -325,13 +340,17 @@ class FluxTransformer(nnx.Module):
         temb = self.time_text_embed(timestep, guidance, pooled)
         context = self.context_embedder(jnp.asarray(encoder_hidden_states, self.dtype))
         rotary = rotary_tables(jnp.concatenate([txt_ids, img_ids], axis=0), self.config.axes_dims_rope, 10000.0)
-        for block in self.transformer_blocks:
-            x, context = remat_call(block, self.remat_policy, x, context, temb, rotary, implementation=self.attention)
-        text = context.shape[1]
-        x = jnp.concatenate([context, x], axis=1)
-        for block in self.single_transformer_blocks:
-            x = remat_call(block, self.remat_policy, x, temb, rotary, implementation=self.attention)
-        return self.proj_out(self.norm_out(x[:, text:], temb))
+        return x, context, temb, rotary
+
+    def run_double_block(self, block: DoubleStreamBlock, x, context, temb, rotary):
+        return remat_call(block, self.remat_policy, x, context, temb, rotary, implementation=self.attention)
+
+    def run_single_block(self, block: SingleStreamBlock, x, temb, rotary):
+        return remat_call(block, self.remat_policy, x, temb, rotary, implementation=self.attention)
+
+    def finish(self, x, temb, text_len: int):
+        """The output layers on the image rows of the joined sequence."""
+        return self.proj_out(self.norm_out(x[:, text_len:], temb))
 
     @classmethod
     def from_pretrained(cls, path: str | Path, dtype: jnp.dtype = jnp.bfloat16, *,

@@ -1,10 +1,12 @@
-"""Weight streaming (`generate.py --offload`): a Krea 2 transformer on a GPU smaller than the model.
+"""Weight streaming (`generate.py --offload`): a Krea 2 or FLUX.1 transformer on a GPU smaller than the model.
 
-The first `resident` joint blocks keep their weights on the device; the others live in pinned host memory. Each block
-runs as one compiled program (the blocks share one structure, so one compilation serves all), the embedding and the
-final layer as two more; the program of block i also copies block i + `prefetch`'s weights to the device, and XLA
-runs that copy beside the block's compute. What the device waits for per step (the "exposed" transfer time) is the
-streamed step's time minus the all-resident one (`scripts/benchmark.py krea2-offload`).
+The first `resident` blocks (in running order: Krea 2's joint blocks; FLUX.1's double, then single blocks) keep their
+weights on the device; the others live in pinned host memory. Each block runs as one compiled program (blocks of one
+kind share one structure, so one compilation serves them all), the embedding and the final layer as two more; the
+program of block i also copies block i + `prefetch`'s weights to the device, and XLA runs that copy beside the
+block's compute. What the device waits for per step (the "exposed" transfer time) is the
+streamed step's time minus the all-resident one (`scripts/benchmark.py krea2-offload`; FLUX.1's streaming is
+CPU-tested only).
 
 Measured on the H200 (NOTES.md, session 5): a bf16 block (0.87 GB) crosses PCIe in 16.7 ms (52 GB/s) and computes in
 6.7 ms at 4224 tokens, so the copies overlap the compute but streamed blocks are copy-bound: 18 of 28 blocks resident
@@ -19,16 +21,94 @@ suspect not yet confirmed on the GPU.
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from .flux import FluxTransformer
 from .krea2 import Krea2Transformer
+from .pipeline_flux import FluxPipeline
+from .pipeline_flux import step as flux_denoise_step
 from .pipeline_krea2 import Krea2Pipeline, guided_euler_step
 
 
-class StreamedKrea2:
+class _BlockStream:
+    """The blocks of a model in running order, the first `resident` with their weights on the device, the others in
+    pinned host memory; `run` calls each block's program with the weights of a later block to copy."""
+
+    def __init__(self, blocks, *, resident: int, prefetch: int):
+        if not 0 <= resident <= len(blocks):
+            raise ValueError(f"resident must be between 0 and the {len(blocks)} blocks, got {resident}")
+        if prefetch < 1:
+            raise ValueError(f"prefetch must be at least 1, got {prefetch}")
+        self.resident, self.prefetch = resident, prefetch
+        device = jax.devices()[0]
+        self.on_device = jax.sharding.SingleDeviceSharding(device, memory_kind="device")
+        on_host = jax.sharding.SingleDeviceSharding(device, memory_kind="pinned_host")
+        self.states = [nnx.state(b) if i < resident else jax.device_put(nnx.state(b), on_host)
+                       for i, b in enumerate(blocks)]
+
+    def copy_to_device(self, ahead):
+        """Inside a block's program: the later block's weights to the device. XLA runs this host-to-device copy,
+        which nothing in the program uses, beside the compute (measured: a block and a copy together take the copy's
+        time, not the sum)."""
+        return None if ahead is None else jax.device_put(ahead, self.on_device)
+
+    def run(self, programs, carry):
+        """`programs[i](state, carry, ahead) -> (carry, copy)` for each block i in order: `state` block i's weights
+        on the device, `ahead` a later block's host weights (or None) whose device copy the program returns."""
+        n, resident, prefetch = len(self.states), self.resident, self.prefetch
+        copies = {}  # streamed block -> its weights on the device, made by the program `prefetch` blocks earlier
+        for i in range(resident, min(resident + prefetch, n)):
+            if i < prefetch:  # no earlier block's program to carry this one: copied before the first
+                copies[i] = jax.device_put(self.states[i], self.on_device)
+        for i in range(n):
+            state = copies.pop(i) if i >= resident else self.states[i]
+            j = i + prefetch
+            ahead = self.states[j] if max(resident, prefetch) <= j < n else None
+            # Dispatch runs ahead of the device; device memory stays bounded because each copy is made by a block's
+            # program, in order, and dropped (freed) once its block has run.
+            carry, copy = programs[i](state, carry, ahead)
+            if copy is not None:
+                copies[j] = copy
+        return carry
+
+
+class _Streamed:
+    """What both streamed transformers share: the block stream, the rest of the model (everything but the blocks:
+    what the pipeline keeps of the transformer) and its embedding and final programs."""
+
+    def __init__(self, model: nnx.Module, lists: tuple[str, ...], *, resident: int, prefetch: int):
+        blocks = [block for name in lists for block in getattr(model, name)]
+        self.stream = _BlockStream(blocks, resident=resident, prefetch=prefetch)
+        self.resident, self.prefetch = resident, prefetch
+        self.block_states = self.stream.states
+        self.block_graphs = {name: nnx.graphdef(getattr(model, name)[0]) for name in lists if len(getattr(model, name))}
+        rest = nnx.merge(*nnx.split(model))  # a copy of the graph, its block lists emptied
+        for name in lists:
+            setattr(rest, name, nnx.List([]))
+        self.rest_graph, self.rest_state = nnx.split(rest)
+        self.rest_model = rest
+        self.config, self.dtype = model.config, model.dtype
+        self._embed = jax.jit(lambda state, *args: nnx.merge(self.rest_graph, state).embed(*args))
+        self._finish = jax.jit(lambda state, x, temb, n: nnx.merge(self.rest_graph, state).finish(x, temb, n),
+                               static_argnums=3)
+
+    def _block_program(self, list_name: str, run: str):
+        """The jitted program of one block of `list_name`: `model.<run>(block, *args)`, and the copy of `ahead`."""
+        graph = self.block_graphs[list_name]
+
+        @jax.jit
+        def program(rest_state, state, args, ahead):
+            out = getattr(nnx.merge(self.rest_graph, rest_state), run)(nnx.merge(graph, state), *args)
+            return out, self.stream.copy_to_device(ahead)
+
+        return program
+
+
+class StreamedKrea2(_Streamed):
     """Call as the transformer: `streamed(hidden_states, encoder_hidden_states, timestep, position_ids, mask)`.
 
     resident: how many of the first joint blocks stay on the device (all: nothing is streamed).
@@ -38,61 +118,17 @@ class StreamedKrea2:
     """
 
     def __init__(self, model: Krea2Transformer, *, resident: int, prefetch: int = 2):
-        blocks = list(model.transformer_blocks)
-        if not 0 <= resident <= len(blocks):
-            raise ValueError(f"resident must be between 0 and the {len(blocks)} blocks, got {resident}")
-        if prefetch < 1:
-            raise ValueError(f"prefetch must be at least 1, got {prefetch}")
-        self.resident, self.prefetch = resident, prefetch
-        self.device = jax.devices()[0]
-        self.on_device = jax.sharding.SingleDeviceSharding(self.device, memory_kind="device")
-        on_host = jax.sharding.SingleDeviceSharding(self.device, memory_kind="pinned_host")
-        self.block_graph = nnx.graphdef(blocks[0])
-        self.block_states = [nnx.state(b) if i < resident else jax.device_put(nnx.state(b), on_host)
-                             for i, b in enumerate(blocks)]
-        # The rest of the model: everything but the blocks (their list emptied in a copy of the graph).
-        rest = nnx.merge(*nnx.split(model))
-        rest.transformer_blocks = nnx.List([])
-        self.rest_graph, self.rest_state = nnx.split(rest)
-        self.rest_model = rest  # what the pipeline keeps of the transformer (its text stage runs once per prompt)
-        self.config, self.dtype = model.config, model.dtype
-
-        @jax.jit
-        def embed(state, *args):
-            return nnx.merge(self.rest_graph, state).embed(*args)
-
-        @jax.jit
-        def block(rest_state, state, x, temb_mod, rotary, kv_lengths, ahead):
-            # `ahead`: a later block's weights in host memory (or None). The program copies them to the device while
-            # the block computes: XLA runs a host-to-device copy that nothing in the program uses beside the compute
-            # (measured: a block and a copy together take the copy's time, not the sum).
-            model = nnx.merge(self.rest_graph, rest_state)
-            x = model.run_block(nnx.merge(self.block_graph, state), x, temb_mod, rotary, kv_lengths)
-            return x, (None if ahead is None else jax.device_put(ahead, self.on_device))
-
-        @jax.jit(static_argnums=3)
-        def finish(state, x, temb, image_len):
-            return nnx.merge(self.rest_graph, state).finish(x, temb, image_len)
-
-        self._embed, self._block, self._finish = embed, block, finish
+        super().__init__(model, ("transformer_blocks",), resident=resident, prefetch=prefetch)
+        self._block = self._block_program("transformer_blocks", "run_block")
 
     def __call__(self, hidden_states, encoder_hidden_states, timestep, position_ids, encoder_attention_mask=None):
-        n, resident, prefetch = len(self.block_states), self.resident, self.prefetch
-        copies = {}  # streamed block -> its weights on the device, made by the program `prefetch` blocks earlier
-        for i in range(resident, min(resident + prefetch, n)):
-            if i < prefetch:  # no earlier block's program to carry this one: copied before the first
-                copies[i] = jax.device_put(self.block_states[i], self.on_device)
         x, temb, temb_mod, rotary, kv_lengths = self._embed(self.rest_state, hidden_states, encoder_hidden_states,
                                                             timestep, position_ids, encoder_attention_mask)
-        for i in range(n):
-            state = copies.pop(i) if i >= resident else self.block_states[i]
-            j = i + prefetch
-            ahead = self.block_states[j] if max(resident, prefetch) <= j < n else None
-            # Dispatch runs ahead of the device; device memory stays bounded because each copy is made by a block's
-            # program, in order, and dropped (freed) once its block has run.
-            x, copy = self._block(self.rest_state, state, x, temb_mod, rotary, kv_lengths, ahead)
-            if copy is not None:
-                copies[j] = copy
+
+        def program(state, x, ahead):
+            return self._block(self.rest_state, state, (x, temb_mod, rotary, kv_lengths), ahead)
+
+        x = self.stream.run([program] * len(self.block_states), x)
         return self._finish(self.rest_state, x, temb, hidden_states.shape[1])
 
     def denoise_step(self, latents, embeds, mask, ids, t, sigma, sigma_next, guidance, cfg: bool):
@@ -102,27 +138,82 @@ class StreamedKrea2:
         return _guided_euler(latents, velocity, sigma, sigma_next, guidance, cfg)
 
 
+class StreamedFlux(_Streamed):
+    """FLUX.1's transformer with weight streaming, as `StreamedKrea2`: call it as the transformer. The blocks run
+    in order, the double blocks, then the single ones; `resident` counts from the first double block."""
+
+    def __init__(self, model: FluxTransformer, *, resident: int, prefetch: int = 2):
+        super().__init__(model, ("transformer_blocks", "single_transformer_blocks"), resident=resident,
+                         prefetch=prefetch)
+        self.num_double = len(model.transformer_blocks)
+        self._double = self._block_program("transformer_blocks", "run_double_block")
+        if len(model.single_transformer_blocks):
+            self._single = self._block_program("single_transformer_blocks", "run_single_block")
+        self._join = jax.jit(lambda x, context: jnp.concatenate([context, x], axis=1))
+
+    def __call__(self, hidden_states, encoder_hidden_states, pooled_projections, timestep, img_ids, txt_ids,
+                 guidance=None):
+        x, context, temb, rotary = self._embed(self.rest_state, hidden_states, encoder_hidden_states,
+                                               pooled_projections, timestep, img_ids, txt_ids, guidance)
+        text_len = context.shape[1]
+
+        def double(state, carry, ahead):
+            return self._double(self.rest_state, state, (*carry, temb, rotary), ahead)
+
+        def first_single(state, carry, ahead):  # the streams joined [text, image] before it
+            return single(state, self._join(*carry), ahead)
+
+        def single(state, x, ahead):
+            return self._single(self.rest_state, state, (x, temb, rotary), ahead)
+
+        n_single = len(self.block_states) - self.num_double
+        programs = [double] * self.num_double + ([first_single] + [single] * (n_single - 1) if n_single else [])
+        carry = self.stream.run(programs, (x, context))
+        x = carry if n_single else self._join(*carry)
+        return self._finish(self.rest_state, x, temb, text_len)
+
+    def denoise_step(self, *args):
+        """`pipeline_flux.denoise_step` on the streamed transformer (the pipeline's `denoise_step_fn`)."""
+        return flux_denoise_step(self, *args)
+
+
 _guided_euler = jax.jit(guided_euler_step, static_argnums=5)
 
 
-def streamed_block_placement(resident: int):
-    """For `loading.place_parameters`: the weights of joint blocks `resident`, `resident + 1`, ... to pinned host
-    memory as they are read, so the transformer loads on a device smaller than it."""
+def streamed_block_placement(resident: int, num_double_blocks: int = 0):
+    """For `loading.place_parameters`: the weights of the blocks from `resident` on (in running order) to pinned host
+    memory as they are read, so the transformer loads on a device smaller than it. The running order: Krea 2's
+    joint blocks; FLUX.1's double blocks (`transformer_blocks`), then its single blocks, which come after the
+    `num_double_blocks` double ones."""
     host = jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind="pinned_host")
+    first = {"transformer_blocks": 0, "single_transformer_blocks": num_double_blocks}
 
     def place(key: str, value: jax.Array) -> jax.Array:
         parts = key.split(".")
-        if parts[0] == "transformer_blocks" and int(parts[1]) >= resident:
+        if parts[0] in first and len(parts) > 1 and parts[1].isdigit() and first[parts[0]] + int(parts[1]) >= resident:
             return jax.device_put(value, host)
         return value
 
     return place
 
 
-def offload_krea2_pipeline(pipe: Krea2Pipeline, *, resident: int, prefetch: int = 2) -> Krea2Pipeline:
-    """A copy of `pipe` whose denoising streams the joint blocks after the first `resident` from host memory
-    (`StreamedKrea2`). `pipe` should not be used afterwards: its transformer was taken apart."""
-    streamed = StreamedKrea2(pipe.transformer, resident=resident, prefetch=prefetch)
+def streamed_placement_for_folder(folder: str | Path, resident: int):
+    """`streamed_block_placement` for the model folder's pipeline (FLUX.1's double-block count from its
+    transformer/config.json)."""
+    from .loading import read_json
+
+    folder = Path(folder)
+    if read_json(folder / "model_index.json").get("_class_name") == "FluxPipeline":
+        return streamed_block_placement(resident, int(read_json(folder / "transformer" / "config.json")["num_layers"]))
+    return streamed_block_placement(resident)
+
+
+def offload_pipeline(pipe: Krea2Pipeline | FluxPipeline, *, resident: int, prefetch: int = 2):
+    """A copy of `pipe` whose denoising streams the transformer's blocks after the first `resident` (in running
+    order) from host memory (`StreamedKrea2`, `StreamedFlux`). `pipe` should not be used afterwards: its transformer
+    was taken apart."""
+    streamed_type = StreamedFlux if isinstance(pipe, FluxPipeline) else StreamedKrea2
+    streamed = streamed_type(pipe.transformer, resident=resident, prefetch=prefetch)
     out = copy.copy(pipe)
     out.transformer = streamed.rest_model
     out.denoise_step_fn = streamed.denoise_step

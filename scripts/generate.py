@@ -57,8 +57,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="the attention kernel (default cuDNN on a GPU, XLA elsewhere; int8: INT8-QK, Triton "
                              "lowering; int8_mosaic: INT8-QK, Hopper)")
     parser.add_argument("--offload", type=int, default=None, metavar="RESIDENT",
-                        help="Krea 2 on a GPU smaller than the model: keep RESIDENT joint blocks on the device and "
-                             "stream the others from host memory, loaded straight there (in --precision's or "
+                        help="a GPU smaller than the model: keep the first RESIDENT transformer blocks on the "
+                             "device and stream the others from host memory, loaded straight there (in --precision's or "
                              "--quantized's format)")
     parser.add_argument("--compile-cache", type=Path, default=Path.home() / ".cache" / "mxdit" / "jax",
                         help="JAX's persistent compilation cache, so that a second run starts fast ('' : off)")
@@ -185,9 +185,9 @@ def main(argv=None) -> int:
                 # neither).
                 places.append(quantize_on_load(krea2_rules(fmt) + flux_rules(fmt)))
             if args.offload is not None:  # the streamed blocks go straight to host memory (after quantizing)
-                from mxdit.model.offload import streamed_block_placement
+                from mxdit.model.offload import streamed_placement_for_folder
 
-                places.append(streamed_block_placement(args.offload))
+                places.append(streamed_placement_for_folder(args.model, args.offload))
             with place_parameters(*places):
                 pipe = load_pipeline(args.model, dtype=dtype, quantized_transformer=args.quantized)
         if args.attention:
@@ -210,11 +210,11 @@ def main(argv=None) -> int:
             # Q/K/V(/gate, /MLP) and gate/up as one product each (not the layers with run-time LoRAs)
             (flux if isinstance(pipe, FluxPipeline) else krea2).stack_projections(pipe.transformer)
         if args.offload is not None:
-            if isinstance(pipe, FluxPipeline):
-                raise ValueError("--offload: weight streaming covers Krea 2 for now")
-            from mxdit.model.offload import offload_krea2_pipeline
+            from mxdit.model.offload import offload_pipeline
 
-            pipe = offload_krea2_pipeline(pipe, resident=min(args.offload, pipe.transformer.config.num_layers))
+            config = pipe.transformer.config
+            blocks = config.num_layers + (config.num_single_layers if isinstance(pipe, FluxPipeline) else 0)
+            pipe = offload_pipeline(pipe, resident=min(args.offload, blocks))
         if mesh is not None:
             if isinstance(pipe, FluxPipeline):
                 raise ValueError("--mesh: FLUX.1 runs on one device for now (sharding covers Krea 2)")

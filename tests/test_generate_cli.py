@@ -170,7 +170,7 @@ def test_quantized_checkpoint_from_quantize_py_generates_as_precision_does(tmp_p
     assert code == 2 and "none.safetensors: no such file" in captured.err
 
 
-def test_offload_streams_blocks_and_refuses_what_it_does_not_cover(tmp_path, capsys):
+def test_offload_streams_blocks(tmp_path, capsys):
     out = tmp_path / "o.png"
     code, captured = run(["--model", str(FIXTURES / "krea2" / "tiny_pipeline"), "--prompt", "a cat", "--height", "64",
                           "--width", "64", "--steps", "1", "--dtype", "fp32", "--max-sequence-length", "16",
@@ -187,4 +187,12 @@ def test_offload_streams_blocks_and_refuses_what_it_does_not_cover(tmp_path, cap
     code, captured = run(common + ["--output", str(tmp_path / "s.png")], capsys)
     assert code == 0, captured.err
     streamed, resident = (np.asarray(Image.open(tmp_path / f), np.int16) for f in ("so.png", "s.png"))
+    np.testing.assert_array_equal(streamed, resident)
+    # FLUX.1: the last single block streamed (the 2 double and the first single resident), the same image
+    flux = ["--model", str(FIXTURES / "flux" / "tiny_pipeline"), "--prompt", "a red fox", "--height", "64", "--width",
+            "80", "--steps", "2", "--dtype", "fp32", "--max-sequence-length", "16"]
+    for extra, name in ((["--offload", "3"], "fo.png"), ([], "f.png")):
+        code, captured = run(flux + extra + ["--output", str(tmp_path / name)], capsys)
+        assert code == 0, captured.err
+    streamed, resident = (np.asarray(Image.open(tmp_path / f), np.int16) for f in ("fo.png", "f.png"))
     np.testing.assert_array_equal(streamed, resident)

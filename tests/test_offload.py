@@ -40,14 +40,14 @@ def test_bad_streaming_arguments_are_named(tiny_and_inputs):
 
 
 def test_offloaded_pipeline_makes_the_same_image(tmp_path):
-    """The pipeline with its joint blocks streamed (`offload_krea2_pipeline`) gives the unstreamed latents."""
-    from mxdit.model.offload import offload_krea2_pipeline
+    """The pipeline with its joint blocks streamed (`offload_pipeline`) gives the unstreamed latents."""
+    from mxdit.model.offload import offload_pipeline
     from mxdit.model.pipeline_krea2 import demo_pipeline
 
     kwargs = dict(height=64, width=64, num_inference_steps=2, seed=3, max_sequence_length=16, output_type="latent")
     pipe = demo_pipeline(tmp_path / "tok", dtype=jnp.float32)
     expected = pipe("a red fox", **kwargs).latents
-    streamed = offload_krea2_pipeline(demo_pipeline(tmp_path / "tok2", dtype=jnp.float32), resident=1)
+    streamed = offload_pipeline(demo_pipeline(tmp_path / "tok2", dtype=jnp.float32), resident=1)
     np.testing.assert_allclose(streamed("a red fox", **kwargs).latents, expected, rtol=0, atol=1e-5)
 
 
@@ -104,3 +104,37 @@ def test_quantized_checkpoint_loads_streamed_blocks_into_host_memory(tmp_path):
     assert kind(streamed.img_in) == {"device"}
     for a, b in zip(jax.tree.leaves(nnx.state(streamed)), jax.tree.leaves(nnx.state(whole)), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.parametrize("resident, prefetch", [(0, 1), (1, 2), (2, 1), (3, 2), (4, 1)])
+def test_streamed_flux_gives_the_transformer_output(resident, prefetch):
+    """FLUX.1's double blocks, then its single ones, streamed in running order (prefetches crossing from the double
+    to the single blocks): the transformer's output, and diffusers'."""
+    from mxdit.model.flux import FluxTransformer
+    from mxdit.model.offload import StreamedFlux
+
+    model = FluxTransformer.from_pretrained(FIXTURES / "flux" / "tiny", jnp.float32)
+    ref = dict(np.load(FIXTURES / "flux" / "reference.npz"))
+    args = tuple(ref[k] for k in ("hidden_states", "encoder_hidden_states", "pooled_projections", "timestep",
+                                  "img_ids", "txt_ids", "guidance"))
+    expected = np.asarray(model(*args))
+    streamed = StreamedFlux(nnx.clone(model), resident=resident, prefetch=prefetch)
+    kinds = [jax.tree.leaves(s)[0].sharding.memory_kind for s in streamed.block_states]
+    assert kinds == ["device"] * resident + ["pinned_host"] * (4 - resident)
+    out = np.asarray(streamed(*args))
+    np.testing.assert_allclose(out, expected, rtol=0, atol=1e-5)
+    assert float(np.linalg.norm(out - ref["output"]) / np.linalg.norm(ref["output"])) <= 1e-4
+
+
+def test_flux_placement_counts_single_blocks_after_the_double_ones():
+    from mxdit.model.flux import FluxTransformer
+    from mxdit.model.loading import place_parameters
+    from mxdit.model.offload import streamed_placement_for_folder
+
+    folder = FIXTURES / "flux" / "tiny_pipeline"
+    with place_parameters(streamed_placement_for_folder(folder, 3)):
+        model = FluxTransformer.from_pretrained(folder / "transformer", jnp.float32)
+    kind = lambda module: {x.sharding.memory_kind for x in jax.tree.leaves(nnx.state(module))}
+    assert [kind(b) for b in model.transformer_blocks] == [{"device"}, {"device"}]
+    assert [kind(b) for b in model.single_transformer_blocks] == [{"device"}, {"pinned_host"}]
+    assert kind(model.proj_out) == {"device"}
