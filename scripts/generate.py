@@ -147,6 +147,24 @@ def save_png(image, path: Path) -> None:
         tmp.unlink(missing_ok=True)
 
 
+def out_of_memory_message(error: Exception, stage: str, args) -> str | None:
+    """One line for a device out-of-memory error (None for other errors), with what would make the run fit."""
+    text = str(error)
+    if "RESOURCE_EXHAUSTED" not in text and "out of memory" not in text.lower():
+        return None
+    hints = []
+    if args.precision == "bf16" and args.quantized is None:
+        hints.append("--precision fp8 (half the transformer's weight memory)")
+    hints.append("--offload N (keep N transformer blocks on the device, stream the others)" if args.offload is None
+                 else f"a smaller --offload than {args.offload}")
+    if not args.tiled_decode:
+        hints.append("--tiled-decode (large images)")
+    if args.num_images > 1:
+        hints.append("fewer --num-images")
+    first_line = text.strip().splitlines()[0][:300] if text.strip() else type(error).__name__
+    return f"generate.py: error: the device ran out of memory while {stage} ({first_line}); try {', '.join(hints)}"
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     import jax
@@ -224,6 +242,11 @@ def main(argv=None) -> int:
     except (CheckpointError, ValueError) as e:
         print(f"generate.py: error: {e}", file=sys.stderr)
         return 2
+    except jax.errors.JaxRuntimeError as e:
+        if (message := out_of_memory_message(e, "loading the model", args)) is None:
+            raise
+        print(message, file=sys.stderr)
+        return 2
     load_s = time.perf_counter() - t0
 
     flux = isinstance(pipe, FluxPipeline)
@@ -246,6 +269,11 @@ def main(argv=None) -> int:
                        callback=on_step if args.progress else None, tiled_decode=args.tiled_decode, **options)
         except ValueError as e:
             print(f"generate.py: error: {e}", file=sys.stderr)
+            return 2
+        except jax.errors.JaxRuntimeError as e:
+            if (message := out_of_memory_message(e, "generating", args)) is None:
+                raise
+            print(message, file=sys.stderr)
             return 2
     for image, path in zip(out.images, args.outputs, strict=True):
         save_png(image, path)

@@ -196,3 +196,31 @@ def test_offload_streams_blocks(tmp_path, capsys):
         assert code == 0, captured.err
     streamed, resident = (np.asarray(Image.open(tmp_path / f), np.int16) for f in ("fo.png", "f.png"))
     np.testing.assert_array_equal(streamed, resident)
+
+
+def test_device_out_of_memory_is_one_line_with_what_would_fit(tmp_path, capsys, monkeypatch):
+    """The device running out of memory (here simulated: the demo is far too small to) exits with one line naming
+    the options that lower the memory; other runtime errors still raise."""
+    import jax
+
+    from mxdit.model.pipeline_krea2 import Krea2Pipeline
+
+    def exhausted(self, *args, **kwargs):
+        raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 41.50GiB.")
+
+    monkeypatch.setattr(Krea2Pipeline, "__call__", exhausted)
+    code, captured = run(["--demo", "--prompt", "a fox", "--height", "64", "--width", "64", "--steps", "1",
+                          "--output", str(tmp_path / "x.png")], capsys)
+    assert code == 2
+    line = captured.err.strip().splitlines()[-1]
+    assert "ran out of memory while generating (RESOURCE_EXHAUSTED: Out of memory while trying to allocate 41.50GiB.)" \
+        in line and "--precision fp8" in line and "--offload N" in line
+    assert not (tmp_path / "x.png").exists()
+
+    def broken(self, *args, **kwargs):
+        raise jax.errors.JaxRuntimeError("INTERNAL: something else")
+
+    monkeypatch.setattr(Krea2Pipeline, "__call__", broken)
+    with pytest.raises(jax.errors.JaxRuntimeError, match="something else"):
+        generate.main(["--demo", "--prompt", "a fox", "--height", "64", "--width", "64", "--steps", "1",
+                       "--output", str(tmp_path / "y.png")])
