@@ -24,8 +24,8 @@ import numpy as np
 from flax import nnx
 
 from .layers import (FP8Activations, Linear, apply_rotary, attention, attention_implementation, fp8_input_backend,
-                     fused_fp8_producer, int8_attention_from_projections, remat_call, rotary_tables, shard_activation,
-                     stacked_linear)
+                     fused_fp8_producer, int8_attention_from_projections, int8_attention_from_stacked, remat_call,
+                     rotary_tables, shard_activation, stacked_linear)
 from .loading import CheckpointError, config_from_dict, load_state, open_checkpoint, read_json
 
 AttentionImpl = Literal["xla", "cudnn", "int8", "int8_mosaic"]
@@ -153,8 +153,13 @@ class Attention(nnx.Module):
         v = v.reshape(batch, seq, self.num_kv_heads, self.head_dim)
         # GQA without repeating K/V: query head n reads KV head n // (num_heads // num_kv_heads), which is what
         # diffusers' repeat_interleave of the KV heads computes.
-        if implementation in ("int8", "int8_mosaic") and rotary is not None:
-            # The kernel's prologue normalises, rotates and quantizes Q and K in one pass.
+        if implementation in ("int8", "int8_mosaic") and rotary is not None and stacked is not None:
+            # The kernel's prologue normalises, rotates and quantizes Q and K in one pass, reading them in place from
+            # the stacked product.
+            out = int8_attention_from_stacked(stacked, self.num_heads, self.num_kv_heads, self.norm_q.weight[...],
+                                              self.norm_k.weight[...], self.norm_q.eps, rotary, kv_lengths,
+                                              implementation)
+        elif implementation in ("int8", "int8_mosaic") and rotary is not None:
             out = int8_attention_from_projections(q, k, v, self.norm_q.weight[...], self.norm_k.weight[...],
                                                   self.norm_q.eps, rotary, kv_lengths, implementation)
         else:

@@ -68,6 +68,16 @@ def int8_attention_from_projections(q, k, v, norm_q: jax.Array, norm_k: jax.Arra
                                                 out_dtype=q.dtype, **_int8_options(implementation))
 
 
+def int8_attention_from_stacked(qkv, num_heads: int, num_kv_heads: int, norm_q: jax.Array, norm_k: jax.Array,
+                                eps: float, rotary: tuple[jax.Array, jax.Array], kv_lengths: jax.Array | None,
+                                implementation: str = "int8") -> jax.Array:
+    """`int8_attention_from_projections` from one stacked projection (batch, seq, [Q | K | V | ...] channels): the
+    prologue reads Q and K in place. Returns (batch, seq, num_heads, head_dim) in qkv's dtype."""
+    return _int8_kernel("int8_attention_fused_stacked")(
+        qkv, num_heads, num_kv_heads, norm_q, norm_k, eps, *rotary, kv_lengths=kv_lengths, out_dtype=qkv.dtype,
+        **_int8_options(implementation))
+
+
 def remat_call(block: nnx.Module, policy, *args, implementation):
     """`block(*args, implementation)`, as one `jax.checkpoint` unit when `policy` (a `jax.checkpoint_policies`
     policy) is given: its backward pass recomputes what the policy does not save (training). The block's state goes
@@ -280,6 +290,9 @@ def _jitted_kernel(name: str):
         "int8_attention_fused": (attention_kernels.int8_attention_fused, (
             "eps", "pv", "block_q", "block_k", "scale", "interpret", "num_warps", "num_stages", "backend",
             "out_dtype")),
+        "int8_attention_fused_stacked": (attention_kernels.int8_attention_fused_stacked, (
+            "num_heads", "num_kv_heads", "eps", "pv", "block_q", "block_k", "scale", "interpret", "num_warps",
+            "num_stages", "backend", "out_dtype")),
     }[name]
     return jax.jit(function, static_argnames=static)
 

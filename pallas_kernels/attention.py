@@ -561,19 +561,38 @@ def int8_qk_prologue(q, k, norm_q, norm_k, eps: float, cos, sin, kv_lengths=None
     as `_prologue` does (int8 values, float32 scales (batch, seq blocks, heads)), with channels in the order of
     `_deinterleave`.
     """
-    b, s, h, d = q.shape
-    hk = k.shape[2]
+    return _qk_prologue(q, (0, q.shape[2]), k, (0, k.shape[2]), norm_q, norm_k, eps, cos, sin, kv_lengths,
+                        scale=scale, block_q=block_q, block_k=block_k, smooth_k=smooth_k, interpret=interpret)
+
+
+def int8_qk_prologue_stacked(qkv, num_heads: int, num_kv_heads: int, norm_q, norm_k, eps: float, cos, sin,
+                             kv_lengths=None, *, scale: float, block_q: int = 64, block_k: int = 64,
+                             smooth_k: bool = True, interpret: bool = False):
+    """`int8_qk_prologue` with Q and K read in place from one stacked projection (batch, seq, H, head_dim), whose
+    heads are [Q (num_heads) | K (num_kv_heads) | ...]: no copy of Q or K sliced out of it first."""
+    return _qk_prologue(qkv, (0, num_heads), qkv, (num_heads, num_kv_heads), norm_q, norm_k, eps, cos, sin,
+                        kv_lengths, scale=scale, block_q=block_q, block_k=block_k, smooth_k=smooth_k,
+                        interpret=interpret)
+
+
+def _qk_prologue(q_src, q_heads, k_src, k_heads, norm_q, norm_k, eps, cos, sin, kv_lengths, *, scale, block_q,
+                 block_k, smooth_k, interpret):
+    """The prologue on heads [first, first + count) of `q_src` and `k_src` (`q_heads`, `k_heads`)."""
+    b, s, _, d = q_src.shape
+    (_, h), (k_first, hk) = q_heads, k_heads
     cos = jnp.broadcast_to(cos, (b, s, d)).astype(jnp.float32)[..., 0::2]  # pairs share a frequency: half the table
     sin = jnp.broadcast_to(sin, (b, s, d)).astype(jnp.float32)[..., 0::2]
     valid = _valid_keys(kv_lengths, b, s)
     k_mean = jnp.zeros((b, hk, d), jnp.float32)
-    if smooth_k:
+    if smooth_k:  # one XLA reduction; the slice of a stacked source fuses into it
+        k = k_src[:, :, k_first:k_first + hk]
         k32 = jnp.where(valid[:, :, None, None], rms_rope_reference(k, norm_k, eps, *_full_tables(cos, sin)), 0.0)
         k_mean = jnp.sum(k32, axis=1) / jnp.maximum(valid.sum(axis=1), 1)[:, None, None]
     lengths = _key_lengths(kv_lengths, b, s)
     q_mean = jnp.zeros((b, h, d), jnp.float32)
-    qi, qs = _rms_rope_quantize(q, norm_q, eps, cos, sin, q_mean, None, scale, block_q, interpret)
-    ki, ks = _rms_rope_quantize(k, norm_k, eps, cos, sin, _deinterleave(k_mean), lengths, 1.0, block_k, interpret)
+    qi, qs = _rms_rope_quantize(q_src, norm_q, eps, cos, sin, q_mean, None, scale, block_q, interpret, heads=q_heads)
+    ki, ks = _rms_rope_quantize(k_src, norm_k, eps, cos, sin, _deinterleave(k_mean), lengths, 1.0, block_k,
+                                interpret, heads=k_heads)
     return qi, qs, ki, ks
 
 
@@ -590,13 +609,15 @@ def _round_half_even(x: jax.Array) -> jax.Array:
 
 
 def _rms_rope_quantize(x, weight, eps, cos_half, sin_half, mean, lengths, multiplier, block, interpret,
-                       num_warps: int = 8):
+                       num_warps: int = 8, heads: tuple[int, int] | None = None):
     """The kernel: a program per (batch, block of `block` tokens, head). 8 warps: half the registers a thread holds
-    of the (block, head_dim) tile, twice the occupancy: 270 vs 549 us for Krea 2's Q at 4224 tokens (NOTES.md)."""
+    of the (block, head_dim) tile, twice the occupancy: 270 vs 549 us for Krea 2's Q at 4224 tokens (NOTES.md).
+    `heads` (first, count): only those heads of x, read in place (all of them by default)."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import triton as pltriton
 
-    b, s, h, d = x.shape
+    b, s, _, d = x.shape
+    first, h = heads if heads is not None else (0, x.shape[2])
     half = d // 2
     pad = (-s) % block
     if pad:  # zero rows: they contribute nothing to a block's amax
@@ -635,7 +656,7 @@ def _rms_rope_quantize(x, weight, eps, cos_half, sin_half, mean, lengths, multip
         grid=(b, n_blocks, h),
         in_specs=[
             pl.no_block_spec,
-            pl.BlockSpec((None, block, None, d), lambda bi, si, hi: (bi, si, hi, 0)),
+            pl.BlockSpec((None, block, None, d), lambda bi, si, hi: (bi, si, hi + first, 0)),
             pl.BlockSpec((None, block, half), lambda bi, si, hi: (bi, si, 0)),
             pl.BlockSpec((None, block, half), lambda bi, si, hi: (bi, si, 0)),
             pl.BlockSpec((half,), lambda bi, si, hi: (0,)),
@@ -665,8 +686,37 @@ def int8_attention_fused(q, k, v, norm_q, norm_k, eps: float, cos, sin, *, kv_le
     _check_pv(pv)
     qi, qs, ki, ks = int8_qk_prologue(q, k, norm_q, norm_k, eps, cos, sin, kv_lengths, scale=scale, block_q=block_q,
                                       block_k=block_k, interpret=interpret)
-    valid = _valid_keys(kv_lengths, k.shape[0], k.shape[1])
+    return _fused_attention(qi, qs, ki, ks, v, kv_lengths, pv=pv, block_q=block_q, block_k=block_k,
+                            interpret=interpret, num_warps=num_warps, num_stages=num_stages, backend=backend,
+                            out_dtype=out_dtype)
+
+
+def int8_attention_fused_stacked(qkv, num_heads: int, num_kv_heads: int, norm_q, norm_k, eps: float, cos, sin, *,
+                                 kv_lengths=None, pv: str = "bf16", block_q: int = 64, block_k: int = 64,
+                                 scale: float | None = None, interpret: bool = False, num_warps: int = 4,
+                                 num_stages: int = 2, backend: str = "triton", out_dtype=jnp.float32) -> jax.Array:
+    """`int8_attention_fused` on one stacked projection qkv (batch, seq, n * head_dim) whose heads are [Q
+    (num_heads) | K (num_kv_heads) | V (num_kv_heads) | anything]: the prologue reads Q and K in place (a stacked
+    QKV(G) product needs no copies of them sliced out). Returns (batch, seq, num_heads, head_dim)."""
+    d = norm_q.shape[0]
+    b, s, width = qkv.shape
+    if width % d or width // d < num_heads + 2 * num_kv_heads:
+        raise ValueError(f"qkv has {width} channels: not {num_heads} + 2 x {num_kv_heads} heads of {d} (and more)")
+    if num_heads % num_kv_heads:
+        raise ValueError(f"query heads {num_heads} must be a multiple of key/value heads {num_kv_heads}")
+    _check_pv(pv)
+    x = qkv.reshape(b, s, width // d, d)
+    qi, qs, ki, ks = int8_qk_prologue_stacked(x, num_heads, num_kv_heads, norm_q, norm_k, eps, cos, sin, kv_lengths,
+                                              scale=d**-0.5 if scale is None else scale, block_q=block_q,
+                                              block_k=block_k, interpret=interpret)
+    v = x[:, :, num_heads + num_kv_heads:num_heads + 2 * num_kv_heads]
+    return _fused_attention(qi, qs, ki, ks, v, kv_lengths, pv=pv, block_q=block_q, block_k=block_k,
+                            interpret=interpret, num_warps=num_warps, num_stages=num_stages, backend=backend,
+                            out_dtype=out_dtype)
+
+
+def _fused_attention(qi, qs, ki, ks, v, kv_lengths, **options):
+    """The attention kernel after the fused prologue (masked values zeroed)."""
+    valid = _valid_keys(kv_lengths, v.shape[0], v.shape[1])
     v32 = jnp.where(valid[:, :, None, None], v.astype(jnp.float32), 0.0)
-    return _attention_backend(qi, qs, ki, ks, v32, kv_lengths, pv=pv, block_q=block_q, block_k=block_k,
-                              interpret=interpret, num_warps=num_warps, num_stages=num_stages, backend=backend,
-                              out_dtype=out_dtype)
+    return _attention_backend(qi, qs, ki, ks, v32, kv_lengths, **options)

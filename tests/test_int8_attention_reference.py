@@ -210,6 +210,13 @@ def test_krea2_transformer_runs_on_the_int8_attention_kernel(kernel, head_dim):
     quantized = model(*args)
     assert cosine(quantized, reference) > 0.999
     assert relative_l1(quantized, reference) < BOUNDS["bf16"]
+    # stacked QKVG: the prologue reads Q and K in place from the stacked product; the same velocity
+    from mxdit.model.krea2 import stack_projections
+
+    stacked = nnx.clone(model)
+    assert stack_projections(stacked) > 0
+    np.testing.assert_allclose(np.asarray(stacked(*args)), np.asarray(quantized), rtol=0,
+                               atol=1e-5 * float(jnp.max(jnp.abs(quantized))))
 
 
 # -- the fused prologue: RMSNorm + rotary + K smoothing + INT8 quantization in one kernel -----------------------------
@@ -285,3 +292,22 @@ def test_int32_to_float32_by_bits_is_exact_over_the_int8_product_range():
                          jax.random.randint(jax.random.key(0), (100_000,), -bound, bound + 1, jnp.int32)])
     np.testing.assert_array_equal(np.asarray(jax.jit(_int32_to_float32)(x)), np.asarray(x).astype(np.float32))
 
+
+
+@pytest.mark.parametrize("backend, block_k", [("triton", 64), ("mosaic", 128)])
+def test_fused_attention_reads_q_k_v_in_place_from_a_stacked_projection(backend, block_k):
+    """`int8_attention_fused_stacked`: Q, K, V (and a gate after them) in one (batch, seq, heads * dim) product, as
+    Krea 2's stacked QKVG Linear gives them; the prologue reads Q and K in place: the same output as from copies."""
+    from mxdit.pallas_kernels import attention as A
+
+    q, k, v, (nq, nk), cos, sin = _raw_projections(9, s=128)
+    gate = jnp.ones_like(q)
+    b, s, h, d = q.shape
+    qkvg = jnp.concatenate([x.reshape(b, s, -1) for x in (q, k, v, gate)], axis=-1)
+    lengths = jnp.asarray([128, 61])
+    options = dict(kv_lengths=lengths, pv="bf16", block_q=64, block_k=block_k, backend=backend, interpret=True)
+    stacked = A.int8_attention_fused_stacked(qkvg, h, k.shape[2], nq, nk, 1e-6, cos, sin, **options)
+    separate = A.int8_attention_fused(q, k, v, nq, nk, 1e-6, cos, sin, **options)
+    np.testing.assert_array_equal(np.asarray(stacked), np.asarray(separate))
+    with pytest.raises(ValueError, match="not 4 \\+ 2 x 2 heads of 64"):
+        A.int8_attention_fused_stacked(qkvg[..., :7 * d], h, 2, nq, nk, 1e-6, cos, sin, **options)
