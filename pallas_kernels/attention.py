@@ -706,6 +706,12 @@ def int8_attention_fused_stacked(qkv, num_heads: int, num_kv_heads: int, norm_q,
         raise ValueError(f"query heads {num_heads} must be a multiple of key/value heads {num_kv_heads}")
     _check_pv(pv)
     x = qkv.reshape(b, s, width // d, d)
+    if s % block_q or s % block_k:  # the prologue would pad its whole source: slice Q and K out (and pad) instead
+        q, k, v = (x[:, :, a:a + n] for a, n in ((0, num_heads), (num_heads, num_kv_heads),
+                                                  (num_heads + num_kv_heads, num_kv_heads)))
+        return int8_attention_fused(q, k, v, norm_q, norm_k, eps, cos, sin, kv_lengths=kv_lengths, pv=pv,
+                                    block_q=block_q, block_k=block_k, scale=scale, interpret=interpret,
+                                    num_warps=num_warps, num_stages=num_stages, backend=backend, out_dtype=out_dtype)
     qi, qs, ki, ks = int8_qk_prologue_stacked(x, num_heads, num_kv_heads, norm_q, norm_k, eps, cos, sin, kv_lengths,
                                               scale=d**-0.5 if scale is None else scale, block_q=block_q,
                                               block_k=block_k, interpret=interpret)

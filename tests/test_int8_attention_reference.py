@@ -294,17 +294,18 @@ def test_int32_to_float32_by_bits_is_exact_over_the_int8_product_range():
 
 
 
-@pytest.mark.parametrize("backend, block_k", [("triton", 64), ("mosaic", 128)])
-def test_fused_attention_reads_q_k_v_in_place_from_a_stacked_projection(backend, block_k):
+@pytest.mark.parametrize("backend, block_k, s", [("triton", 64, 128), ("mosaic", 128, 128), ("triton", 64, 100)])
+def test_fused_attention_reads_q_k_v_in_place_from_a_stacked_projection(backend, block_k, s):
     """`int8_attention_fused_stacked`: Q, K, V (and a gate after them) in one (batch, seq, heads * dim) product, as
-    Krea 2's stacked QKVG Linear gives them; the prologue reads Q and K in place: the same output as from copies."""
+    Krea 2's stacked QKVG Linear gives them; the prologue reads Q and K in place (or, when the sequence is no
+    multiple of the blocks, from slices): the same output as from copies."""
     from mxdit.pallas_kernels import attention as A
 
-    q, k, v, (nq, nk), cos, sin = _raw_projections(9, s=128)
+    q, k, v, (nq, nk), cos, sin = _raw_projections(9, s=s)
     gate = jnp.ones_like(q)
-    b, s, h, d = q.shape
+    b, _, h, d = q.shape
     qkvg = jnp.concatenate([x.reshape(b, s, -1) for x in (q, k, v, gate)], axis=-1)
-    lengths = jnp.asarray([128, 61])
+    lengths = jnp.asarray([s, 61])
     options = dict(kv_lengths=lengths, pv="bf16", block_q=64, block_k=block_k, backend=backend, interpret=True)
     stacked = A.int8_attention_fused_stacked(qkvg, h, k.shape[2], nq, nk, 1e-6, cos, sin, **options)
     separate = A.int8_attention_fused(q, k, v, nq, nk, 1e-6, cos, sin, **options)
