@@ -681,38 +681,54 @@ def jax_flux_step(args) -> list[dict]:
     import jax.numpy as jnp
     from flax import nnx
 
-    from mxdit.model.flux import FluxConfig, FluxTransformer
+    from mxdit.model.flux import FluxConfig, FluxTransformer, stack_projections
+    from mxdit.model.layers import PRECISIONS, quantize_linear_layers
+    from mxdit.quant.model import flux_rules
 
     cfg = FluxConfig()
-    model = FluxTransformer(cfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+    base = FluxTransformer(cfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
     hidden, text, pooled, img_ids, txt_ids = _flux_inputs(cfg, args.height, args.width, args.text_len)
     hidden, text, pooled = (jnp.asarray(a, jnp.bfloat16) for a in (hidden, text, pooled))
     img_ids, txt_ids = jnp.asarray(img_ids), jnp.asarray(txt_ids)
-    graphdef, state = nnx.split(model)
+    rows = []
+    for precision in args.precisions:
+        # as generate.py prepares it: the blocks' matrices quantized (not bf16), then stacked (--stacked yes)
+        model = nnx.clone(base)
+        if precision != "bf16":
+            quantize_linear_layers(model, flux_rules(PRECISIONS[precision]), kernels=True)
+        if args.stacked == "yes":
+            stack_projections(model)
+        graphdef, state = nnx.split(model)
 
-    @jax.jit
-    def step(state, x, t):
-        m = nnx.merge(graphdef, state)
-        v = m(x, text, pooled, jnp.full((1,), t), img_ids, txt_ids, jnp.full((1,), 3.5))
-        return (x + 1e-3 * v).astype(x.dtype)
+        @jax.jit
+        def step(state, x, t, graphdef=graphdef):
+            m = nnx.merge(graphdef, state)
+            v = m(x, text, pooled, jnp.full((1,), t), img_ids, txt_ids, jnp.full((1,), 3.5))
+            return (x + 1e-3 * v).astype(x.dtype)
 
-    row = {"name": f"jax FLUX.1-dev bf16, {model.attention} attention, a dispatch per step"}
-    t0 = time.perf_counter()
-    jax.block_until_ready(step(state, hidden, 0.5))
-    row["compile_s"] = time.perf_counter() - t0
-    times = []
-    for _ in range(args.repeats):
-        x = hidden
-        t0 = time.perf_counter()
-        for i in range(args.iters):
-            x = step(state, x, 0.9 - 0.01 * i)
-        jax.block_until_ready(x)
-        times.append((time.perf_counter() - t0) / args.iters)
-    row["s_per_step"] = statistics.median(times)
-    row["tflops"] = _flux_flops(cfg, hidden.shape[1], text.shape[1]) / row["s_per_step"] / 1e12
-    row["peak_gb"] = (jax.devices()[0].memory_stats() or {}).get("peak_bytes_in_use", 0) / 1e9
-    print(json.dumps(row), flush=True)
-    return [row]
+        row = {"name": f"jax FLUX.1-dev {precision}{' stacked' if args.stacked == 'yes' else ''}, {model.attention} "
+                       f"attention, a dispatch per step"}
+        try:
+            t0 = time.perf_counter()
+            jax.block_until_ready(step(state, hidden, 0.5))
+            row["compile_s"] = time.perf_counter() - t0
+            times = []
+            for _ in range(args.repeats):
+                x = hidden
+                t0 = time.perf_counter()
+                for i in range(args.iters):
+                    x = step(state, x, 0.9 - 0.01 * i)
+                jax.block_until_ready(x)
+                times.append((time.perf_counter() - t0) / args.iters)
+            row["s_per_step"] = statistics.median(times)
+            row["tflops"] = _flux_flops(cfg, hidden.shape[1], text.shape[1]) / row["s_per_step"] / 1e12
+        except Exception as e:  # record and go on with the other precisions
+            row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
+        row["peak_gb"] = (jax.devices()[0].memory_stats() or {}).get("peak_bytes_in_use", 0) / 1e9
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+        del model, state
+    return rows
 
 
 def diffusers_flux_step(args) -> list[dict]:
@@ -1112,7 +1128,8 @@ def flux_step(args) -> None:
     forwarded = ["--height", str(args.height), "--width", str(args.width), "--text-len", str(args.text_len),
                  "--iters", str(args.iters), "--repeats", str(args.repeats)]
     rows = _subprocess_rows(args, "flux-step-diffusers", forwarded) if args.diffusers else []
-    rows += _subprocess_rows(args, "flux-step-jax", forwarded)
+    rows += _subprocess_rows(args, "flux-step-jax", forwarded + ["--precisions", *args.precisions,
+                                                                  "--stacked", args.stacked])
     _table(rows, f"FLUX.1-dev step, {args.height}x{args.width}, text {args.text_len}")
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
@@ -1386,6 +1403,10 @@ def main(argv=None) -> None:
         p.add_argument("--iters", type=int, default=10)
         p.add_argument("--repeats", type=int, default=3)
         p.add_argument("--no-diffusers", dest="diffusers", action="store_false")
+        p.add_argument("--precisions", nargs="+", default=["bf16"], choices=PRECISION_CHOICES,
+                       help="the blocks' matrices in this format through the GEMM kernels (bf16: XLA's dots)")
+        p.add_argument("--stacked", choices=["yes", "no"], default="no",
+                       help="Q/K/V (and the single blocks' MLP projection) as one product each, as generate.py runs")
         p.add_argument("--json", default=None)
     for name in ("gemm", "gemm-jax", "gemm-torch"):
         p = sub.add_parser(name)
