@@ -55,20 +55,6 @@ def _config(args):
     return dataclasses.replace(cfg, num_layers=args.num_layers) if args.num_layers else cfg
 
 
-def _as_generate_runs_it(model, precision: str, stacked: bool = True):
-    """A Krea 2 transformer prepared, in place, as generate.py --precision prepares it: the blocks' matrices quantized
-    for the GEMM kernels (not for bf16), then the projections that share an input stacked. Returns the model."""
-    from mxdit.model.krea2 import stack_projections
-    from mxdit.model.layers import PRECISIONS, quantize_linear_layers
-    from mxdit.quant.model import krea2_rules
-
-    if precision != "bf16":
-        quantize_linear_layers(model, krea2_rules(PRECISIONS[precision]), kernels=True)
-    if stacked:
-        stack_projections(model)
-    return model
-
-
 def _step_flops(cfg, image_len: int, text_len: int) -> float:
     """Matrix-product FLOPs of one forward (linear layers + attention), for TFLOP/s figures."""
     d, seq = cfg.hidden_size, image_len + text_len
@@ -100,6 +86,7 @@ def jax_krea2_step(args) -> list[dict]:
     from flax import nnx
 
     from mxdit.model.krea2 import Krea2Transformer
+    from mxdit.model.pipelines import prepare_transformer
 
     cfg = _config(args)
     device = jax.devices()[0]
@@ -117,7 +104,7 @@ def jax_krea2_step(args) -> list[dict]:
     for precision, stacked, attention in ((p, s, a) for p in args.precisions for s in args.stacked
                                           for a in args.jax_attention):
         if made != (precision, stacked):
-            model = _as_generate_runs_it(nnx.clone(base), precision, stacked)
+            model = prepare_transformer(nnx.clone(base), precision, stack=stacked)
             made = (precision, stacked)
         weights_gb = sum(x.nbytes for x in jax.tree.leaves(nnx.state(model))) / 1e9
         for masked in (True, False) if args.unmasked_too else (True,):
@@ -281,9 +268,10 @@ def krea2_profile(args) -> None:
     from flax import nnx
 
     from mxdit.model.krea2 import Krea2Transformer
+    from mxdit.model.pipelines import prepare_transformer
 
     cfg = _config(args)
-    model = _as_generate_runs_it(Krea2Transformer(cfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(0)), args.precision)
+    model = prepare_transformer(Krea2Transformer(cfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(0)), args.precision)
     model.attention = args.attention
     hidden, text, timestep, position_ids, mask = (jnp.asarray(a) for a in _krea2_inputs(
         cfg, args.height, args.width, args.text_len, args.valid_text))
@@ -528,6 +516,7 @@ def jax_krea2_pipeline(args) -> list[dict]:
 
     from mxdit.model.krea2 import Krea2Transformer
     from mxdit.model.pipeline_krea2 import Krea2Pipeline, Krea2PipelineConfig
+    from mxdit.model.pipelines import prepare_transformer
     from mxdit.model.qwen3vl_text import Qwen3VLTextConfig, Qwen3VLTextEncoder
     from mxdit.model.tokenizer import TextTokenizer, save_demo_tokenizer
     from mxdit.model.vae_qwenimage import QwenImageVAE, QwenImageVAEConfig
@@ -557,7 +546,7 @@ def jax_krea2_pipeline(args) -> list[dict]:
     for precision in args.precisions:
         # a copy each: the quantization rules name the unstacked projections, so every precision starts from the
         # unstacked bf16 model (stacking it in place first left a later fp8 run's stacked matrices in bf16)
-        transformer = _as_generate_runs_it(nnx.clone(base), precision)
+        transformer = prepare_transformer(nnx.clone(base), precision)
         pipe.transformer = transformer
         for attention in args.jax_attention:
             transformer.attention = attention
@@ -681,9 +670,8 @@ def jax_flux_step(args) -> list[dict]:
     import jax.numpy as jnp
     from flax import nnx
 
-    from mxdit.model.flux import FluxConfig, FluxTransformer, stack_projections
-    from mxdit.model.layers import PRECISIONS, quantize_linear_layers
-    from mxdit.quant.model import flux_rules
+    from mxdit.model.flux import FluxConfig, FluxTransformer
+    from mxdit.model.pipelines import prepare_transformer
 
     cfg = FluxConfig()
     base = FluxTransformer(cfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
@@ -693,11 +681,7 @@ def jax_flux_step(args) -> list[dict]:
     rows = []
     for precision in args.precisions:
         # as generate.py prepares it: the blocks' matrices quantized (not bf16), then stacked (--stacked yes)
-        model = nnx.clone(base)
-        if precision != "bf16":
-            quantize_linear_layers(model, flux_rules(PRECISIONS[precision]), kernels=True)
-        if args.stacked == "yes":
-            stack_projections(model)
+        model = prepare_transformer(nnx.clone(base), precision, stack=args.stacked)
         graphdef, state = nnx.split(model)
 
         @jax.jit
@@ -706,7 +690,7 @@ def jax_flux_step(args) -> list[dict]:
             v = m(x, text, pooled, jnp.full((1,), t), img_ids, txt_ids, jnp.full((1,), 3.5))
             return (x + 1e-3 * v).astype(x.dtype)
 
-        row = {"name": f"jax FLUX.1-dev {precision}{' stacked' if args.stacked == 'yes' else ''}, {model.attention} "
+        row = {"name": f"jax FLUX.1-dev {precision}{' stacked' if args.stacked else ''}, {model.attention} "
                        f"attention, a dispatch per step"}
         try:
             t0 = time.perf_counter()
@@ -1129,7 +1113,7 @@ def flux_step(args) -> None:
                  "--iters", str(args.iters), "--repeats", str(args.repeats)]
     rows = _subprocess_rows(args, "flux-step-diffusers", forwarded) if args.diffusers else []
     rows += _subprocess_rows(args, "flux-step-jax", forwarded + ["--precisions", *args.precisions,
-                                                                  "--stacked", args.stacked])
+                                                                  "--stacked", "yes" if args.stacked else "no"])
     _table(rows, f"FLUX.1-dev step, {args.height}x{args.width}, text {args.text_len}")
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
@@ -1405,7 +1389,7 @@ def main(argv=None) -> None:
         p.add_argument("--no-diffusers", dest="diffusers", action="store_false")
         p.add_argument("--precisions", nargs="+", default=["bf16"], choices=PRECISION_CHOICES,
                        help="the blocks' matrices in this format through the GEMM kernels (bf16: XLA's dots)")
-        p.add_argument("--stacked", choices=["yes", "no"], default="no",
+        p.add_argument("--stacked", type=lambda s: s == "yes", default=False, metavar="{no,yes}",
                        help="Q/K/V (and the single blocks' MLP projection) as one product each, as generate.py runs")
         p.add_argument("--json", default=None)
     for name in ("gemm", "gemm-jax", "gemm-torch"):

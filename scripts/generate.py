@@ -174,7 +174,7 @@ def main(argv=None) -> int:
     from mxdit.model.loading import CheckpointError
     from mxdit.model.pipeline_flux import FluxPipeline
     from mxdit.model.pipeline_krea2 import demo_pipeline
-    from mxdit.model.pipelines import load_pipeline
+    from mxdit.model.pipelines import load_pipeline, prepare_transformer
 
     if str(args.compile_cache) not in ("", "."):
         from jax.experimental.compilation_cache import compilation_cache
@@ -216,17 +216,9 @@ def main(argv=None) -> int:
             from mxdit.training.lora_files import apply_loras
 
             apply_loras(pipe.transformer, args.loras, fuse=args.fuse_lora)  # before sharding: it places the adapters
-        if args.precision != "bf16":  # the demo, or after fusing LoRAs: the fused weights are what gets quantized
-            from mxdit.model.layers import PRECISIONS, quantize_linear_layers
-            from mxdit.quant.model import flux_rules, krea2_rules
-
-            rules = (flux_rules if isinstance(pipe, FluxPipeline) else krea2_rules)(PRECISIONS[args.precision])
-            quantize_linear_layers(pipe.transformer, rules, kernels=True)
-        if mesh is None:
-            from mxdit.model import flux, krea2
-
-            # Q/K/V(/gate, /MLP) and gate/up as one product each (not the layers with run-time LoRAs)
-            (flux if isinstance(pipe, FluxPipeline) else krea2).stack_projections(pipe.transformer)
+        # --precision: quantized here for the demo, or after fusing LoRAs (the fused weights are what gets
+        # quantized); Q/K/V(/gate, /MLP) and gate/up as one product each (not the layers with run-time LoRAs)
+        prepare_transformer(pipe.transformer, args.precision, stack=mesh is None)
         if args.offload is not None:
             from mxdit.model.offload import offload_pipeline
 
