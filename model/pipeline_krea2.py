@@ -119,6 +119,13 @@ class Krea2Pipeline:
 
     # -- generation ----------------------------------------------------------------------------------------------------
 
+    def trimmed_text(self, embeds, mask, height: int, width: int):
+        """`trim_padded_text` as the pipeline applies it to (embeds, mask) for a height x width image: the kept text
+        rounded so that image + text tokens is a multiple of `JOINT_TOKENS_MULTIPLE` where that fits."""
+        multiple = self.vae_scale_factor * self.config.patch_size
+        return trim_padded_text(embeds, mask, image_len=(height // multiple) * (width // multiple),
+                                joint_multiple=JOINT_TOKENS_MULTIPLE)
+
     def __call__(
         self,
         prompt: str | Sequence[str],
@@ -175,12 +182,12 @@ class Krea2Pipeline:
         mask = jnp.repeat(mask, num_images_per_prompt, axis=0) if num_images_per_prompt > 1 else mask
         # The transformer's text stage depends on the prompt only: once here, not in every step.
         embeds = _fuse_text(self.transformer, embeds, mask)
-        grid_h, grid_w = height // multiple, width // multiple
         if trim_text:
-            embeds, mask = trim_padded_text(embeds, mask, image_len=grid_h * grid_w, joint_multiple=JOINT_TOKENS_MULTIPLE)
+            embeds, mask = self.trimmed_text(embeds, mask, height, width)
         embeds = jax.block_until_ready(embeds)
         timings["text encode"] = time.perf_counter() - t0
 
+        grid_h, grid_w = height // multiple, width // multiple
         channels = self.transformer.config.in_channels
         if latents is None:
             noise = jax.random.normal(jax.random.key(seed), (batch, grid_h * 2, grid_w * 2, channels // 4), jnp.float32)

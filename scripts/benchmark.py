@@ -535,12 +535,9 @@ def jax_krea2_pipeline(args) -> list[dict]:
     jax.block_until_ready(nnx.state(pipe.transformer))
     print(json.dumps({"jax_pipeline_init_s": time.perf_counter() - t0}), flush=True)
     base = pipe.transformer
-    from mxdit.model.krea2 import JOINT_TOKENS_MULTIPLE, trim_padded_text
-
     embeds, mask = pipe.encode_prompt([args.prompt], 512)
-    image_len = (args.height // 16) * (args.width // 16)
-    text_tokens = trim_padded_text(embeds, mask, image_len=image_len, joint_multiple=JOINT_TOKENS_MULTIPLE)[0].shape[1] \
-        if args.trim_text else embeds.shape[1]
+    text_tokens = pipe.trimmed_text(embeds, mask, args.height, args.width)[0].shape[1] if args.trim_text \
+        else embeds.shape[1]
     print(json.dumps({"text_tokens": text_tokens, "real_text_tokens": int(np.asarray(mask).sum())}), flush=True)
     rows = []
     for precision in args.precisions:
