@@ -29,9 +29,9 @@ from flax import nnx
 
 from .flux import FluxTransformer
 from .krea2 import Krea2Transformer
+from . import pipeline_flux, pipeline_krea2
 from .pipeline_flux import FluxPipeline
-from .pipeline_flux import step as flux_denoise_step
-from .pipeline_krea2 import Krea2Pipeline, guided_euler_step
+from .pipeline_krea2 import Krea2Pipeline
 
 
 class _BlockStream:
@@ -132,7 +132,9 @@ class StreamedKrea2(_Streamed):
         return self._finish(self.rest_state, x, temb, hidden_states.shape[1])
 
     def denoise_step(self, latents, embeds, mask, ids, t, sigma, sigma_next, guidance, cfg: bool):
-        """`pipeline_krea2.denoise_step` on the streamed transformer (the pipeline's `denoise_step_fn`)."""
+        """`pipeline_krea2.denoise_step` on the streamed transformer (the pipeline's `denoise_step_fn`). Not its
+        unjitted `_denoise_step`, as StreamedFlux uses FLUX.1's: run eagerly, the guided Euler step rounds differently
+        from the jitted one the unstreamed pipeline runs (one pixel level apart in a test image)."""
         x = jnp.concatenate([latents, latents]) if cfg else latents
         velocity = self(x.astype(self.dtype), embeds, jnp.full((x.shape[0],), t, jnp.float32), ids, mask)
         return _guided_euler(latents, velocity, sigma, sigma_next, guidance, cfg)
@@ -173,11 +175,12 @@ class StreamedFlux(_Streamed):
         return self._finish(self.rest_state, x, temb, text_len)
 
     def denoise_step(self, *args):
-        """`pipeline_flux.denoise_step` on the streamed transformer (the pipeline's `denoise_step_fn`)."""
-        return flux_denoise_step(self, *args)
+        """`pipeline_flux.denoise_step` on the streamed transformer (the pipeline's `denoise_step_fn`), as
+        `StreamedKrea2.denoise_step`."""
+        return pipeline_flux._denoise_step(self, *args)
 
 
-_guided_euler = jax.jit(guided_euler_step, static_argnums=5)
+_guided_euler = jax.jit(pipeline_krea2.guided_euler_step, static_argnums=5)
 
 
 def streamed_block_placement(resident: int, num_double_blocks: int = 0):

@@ -42,7 +42,7 @@ class FluxPipeline:
         self.text_encoder_2, self.tokenizer_2 = text_encoder_2, tokenizer_2
         self.shift, self.static_shift = shift, static_shift  # shift None: no dynamic shifting (schnell)
         self.vae_scale_factor = vae.config.spatial_compression
-        # Replaces `_denoise_step` (same arguments, without the model) when set: model/offload.py streams the blocks.
+        # Replaces `denoise_step` (same arguments, without the model) when set: model/offload.py streams the blocks.
         self.denoise_step_fn = None
 
     @property
@@ -143,10 +143,10 @@ class FluxPipeline:
         times = np.asarray(timesteps, np.float32) / np.float32(NUM_TRAIN_TIMESTEPS)
         if callback is None and self.denoise_step_fn is None:
             # nothing to report between steps: the whole loop is one program (as Krea 2's)
-            latents = _denoise_loop(self.transformer, latents, embeds, pooled, img_ids, txt_ids, jnp.asarray(times),
+            latents = denoise_loop(self.transformer, latents, embeds, pooled, img_ids, txt_ids, jnp.asarray(times),
                                     guidance, jnp.asarray(sigmas, jnp.float32), jnp.float32(true_cfg_scale), true_cfg)
         else:
-            step_fn = self.denoise_step_fn or functools.partial(_denoise_step, self.transformer)
+            step_fn = self.denoise_step_fn or functools.partial(denoise_step, self.transformer)
             for i in range(steps):
                 latents = step_fn(latents, embeds, pooled, img_ids, txt_ids, jnp.float32(times[i]), guidance,
                                jnp.float32(sigmas[i]), jnp.float32(sigmas[i + 1]), jnp.float32(true_cfg_scale),
@@ -178,19 +178,14 @@ def _t5(encoder: T5Encoder, ids):
     return encoder(ids)
 
 
-def step(model: FluxTransformer, latents, embeds, pooled, img_ids, txt_ids, t, guidance, sigma, sigma_next,
-         true_cfg_scale, true_cfg: bool):
+def _denoise_step(model: FluxTransformer, latents, embeds, pooled, img_ids, txt_ids, t, guidance, sigma, sigma_next,
+                  true_cfg_scale, true_cfg: bool):
     """One Euler step; with true CFG the batch of embeds holds [conditional; negative]. `model`: the transformer
     or anything called as it (model/offload.py's streamed one calls this outside jit)."""
     x = jnp.concatenate([latents, latents]) if true_cfg else latents
     n = x.shape[0]
     g = None if guidance is None else jnp.full((n,), guidance, jnp.float32)
     velocity = model(x.astype(model.dtype), embeds, pooled, jnp.full((n,), t, jnp.float32), img_ids, txt_ids, g)
-    return guided_euler_step(latents, velocity, sigma, sigma_next, true_cfg_scale, true_cfg)
-
-
-def guided_euler_step(latents, velocity, sigma, sigma_next, true_cfg_scale, true_cfg: bool):
-    """The Euler step from the transformer's velocity; with true CFG the velocity holds [conditional; negative]."""
     if true_cfg:
         batch = latents.shape[0]
         cond, neg = velocity[:batch], velocity[batch:]
@@ -198,15 +193,15 @@ def guided_euler_step(latents, velocity, sigma, sigma_next, true_cfg_scale, true
     return euler_step(latents, velocity, sigma, sigma_next)
 
 
-_denoise_step = jax.jit(step, static_argnames=("true_cfg",))
+denoise_step = jax.jit(_denoise_step, static_argnames=("true_cfg",))
 
 
 @functools.partial(jax.jit, static_argnames=("true_cfg",))
-def _denoise_loop(model: FluxTransformer, latents, embeds, pooled, img_ids, txt_ids, times, guidance, sigmas,
+def denoise_loop(model: FluxTransformer, latents, embeds, pooled, img_ids, txt_ids, times, guidance, sigmas,
                   true_cfg_scale, true_cfg: bool):
-    """All of `_denoise_step`'s steps in one program: times (steps,) flow times, sigmas (steps + 1,)."""
+    """All of `denoise_step`'s steps in one program: times (steps,) flow times, sigmas (steps + 1,)."""
     def body(i, latents):
-        return step(model, latents, embeds, pooled, img_ids, txt_ids, times[i], guidance, sigmas[i], sigmas[i + 1],
+        return _denoise_step(model, latents, embeds, pooled, img_ids, txt_ids, times[i], guidance, sigmas[i], sigmas[i + 1],
                      true_cfg_scale, true_cfg)
 
     return jax.lax.fori_loop(0, times.shape[0], body, latents)

@@ -261,11 +261,8 @@ def denoise_loop(model: Krea2Transformer, latents, embeds, mask, ids, times, sig
     """All of `denoise_step`'s steps in one program: times (steps,) flow times, sigmas (steps + 1,). The pipeline
     runs this when no callback wants the latents between steps. Compiled once per shape and step count."""
 
-    graphdef, state = nnx.split(model)
-
-    def body(i, latents):  # the model rebuilt inside the loop's trace (a module cannot cross trace levels)
-        return _denoise_step(nnx.merge(graphdef, state), latents, embeds, mask, ids, times[i], sigmas[i],
-                             sigmas[i + 1], guidance, cfg)
+    def body(i, latents):
+        return _denoise_step(model, latents, embeds, mask, ids, times[i], sigmas[i], sigmas[i + 1], guidance, cfg)
 
     return jax.lax.fori_loop(0, times.shape[0], body, latents)
 
