@@ -80,10 +80,12 @@ class _Streamed:
     """What both streamed transformers share: the block stream, the rest of the model (everything but the blocks:
     what the pipeline keeps of the transformer) and its embedding and final programs."""
 
-    def __init__(self, model: nnx.Module, lists: tuple[str, ...], *, resident: int, prefetch: int):
+    block_lists: tuple[str, ...] = ()  # the model's lists of blocks, in running order
+
+    def __init__(self, model: nnx.Module, *, resident: int, prefetch: int):
+        lists = self.block_lists
         blocks = [block for name in lists for block in getattr(model, name)]
         self.stream = _BlockStream(blocks, resident=resident, prefetch=prefetch)
-        self.resident, self.prefetch = resident, prefetch
         self.block_states = self.stream.states
         self.block_graphs = {name: nnx.graphdef(getattr(model, name)[0]) for name in lists if len(getattr(model, name))}
         rest = nnx.merge(*nnx.split(model))  # a copy of the graph, its block lists emptied
@@ -117,8 +119,10 @@ class StreamedKrea2(_Streamed):
     that their device copies are freed.
     """
 
+    block_lists = ("transformer_blocks",)
+
     def __init__(self, model: Krea2Transformer, *, resident: int, prefetch: int = 2):
-        super().__init__(model, ("transformer_blocks",), resident=resident, prefetch=prefetch)
+        super().__init__(model, resident=resident, prefetch=prefetch)
         self._block = self._block_program("transformer_blocks", "run_block")
 
     def __call__(self, hidden_states, encoder_hidden_states, timestep, position_ids, encoder_attention_mask=None):
@@ -144,9 +148,10 @@ class StreamedFlux(_Streamed):
     """FLUX.1's transformer with weight streaming, as `StreamedKrea2`: call it as the transformer. The blocks run
     in order, the double blocks, then the single ones; `resident` counts from the first double block."""
 
+    block_lists = ("transformer_blocks", "single_transformer_blocks")
+
     def __init__(self, model: FluxTransformer, *, resident: int, prefetch: int = 2):
-        super().__init__(model, ("transformer_blocks", "single_transformer_blocks"), resident=resident,
-                         prefetch=prefetch)
+        super().__init__(model, resident=resident, prefetch=prefetch)
         self.num_double = len(model.transformer_blocks)
         self._double = self._block_program("transformer_blocks", "run_double_block")
         if len(model.single_transformer_blocks):
@@ -213,10 +218,11 @@ def streamed_placement_for_folder(folder: str | Path, resident: int):
 
 def offload_pipeline(pipe: Krea2Pipeline | FluxPipeline, *, resident: int, prefetch: int = 2):
     """A copy of `pipe` whose denoising streams the transformer's blocks after the first `resident` (in running
-    order) from host memory (`StreamedKrea2`, `StreamedFlux`). `pipe` should not be used afterwards: its transformer
-    was taken apart."""
+    order; more than there are: all resident) from host memory (`StreamedKrea2`, `StreamedFlux`). `pipe` should not
+    be used afterwards: its transformer was taken apart."""
     streamed_type = StreamedFlux if isinstance(pipe, FluxPipeline) else StreamedKrea2
-    streamed = streamed_type(pipe.transformer, resident=resident, prefetch=prefetch)
+    blocks = sum(len(getattr(pipe.transformer, name)) for name in streamed_type.block_lists)
+    streamed = streamed_type(pipe.transformer, resident=min(resident, blocks), prefetch=prefetch)
     out = copy.copy(pipe)
     out.transformer = streamed.rest_model
     out.denoise_step_fn = streamed.denoise_step

@@ -222,9 +222,7 @@ def main(argv=None) -> int:
         if args.offload is not None:
             from mxdit.model.offload import offload_pipeline
 
-            config = pipe.transformer.config
-            blocks = config.num_layers + (config.num_single_layers if isinstance(pipe, FluxPipeline) else 0)
-            pipe = offload_pipeline(pipe, resident=min(args.offload, blocks))
+            pipe = offload_pipeline(pipe, resident=args.offload)
         if mesh is not None:
             if isinstance(pipe, FluxPipeline):
                 raise ValueError("--mesh: FLUX.1 runs on one device for now (sharding covers Krea 2)")
