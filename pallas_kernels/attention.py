@@ -40,7 +40,10 @@ def _quantize_int8_blocks(x: jax.Array, block: int) -> tuple[jax.Array, jax.Arra
 def _heads_and_scale(q, k, scale):
     """(query heads per KV head, softmax scale): heads must be a multiple of KV heads; the scale defaults to
     head_dim^-0.5."""
-    h, hk, d = q.shape[2], k.shape[2], q.shape[3]
+    return _group_and_scale(q.shape[2], k.shape[2], q.shape[3], scale)
+
+
+def _group_and_scale(h: int, hk: int, d: int, scale):
     if h % hk:
         raise ValueError(f"query heads {h} must be a multiple of key/value heads {hk}")
     return h // hk, d**-0.5 if scale is None else scale
@@ -702,8 +705,7 @@ def int8_attention_fused_stacked(qkv, num_heads: int, num_kv_heads: int, norm_q,
     b, s, width = qkv.shape
     if width % d or width // d < num_heads + 2 * num_kv_heads:
         raise ValueError(f"qkv has {width} channels: not {num_heads} + 2 x {num_kv_heads} heads of {d} (and more)")
-    if num_heads % num_kv_heads:
-        raise ValueError(f"query heads {num_heads} must be a multiple of key/value heads {num_kv_heads}")
+    _, scale = _group_and_scale(num_heads, num_kv_heads, d, scale)
     _check_pv(pv)
     x = qkv.reshape(b, s, width // d, d)
     if s % block_q or s % block_k:  # the prologue would pad its whole source: slice Q and K out (and pad) instead
@@ -713,7 +715,7 @@ def int8_attention_fused_stacked(qkv, num_heads: int, num_kv_heads: int, norm_q,
                                     block_q=block_q, block_k=block_k, scale=scale, interpret=interpret,
                                     num_warps=num_warps, num_stages=num_stages, backend=backend, out_dtype=out_dtype)
     qi, qs, ki, ks = int8_qk_prologue_stacked(x, num_heads, num_kv_heads, norm_q, norm_k, eps, cos, sin, kv_lengths,
-                                              scale=d**-0.5 if scale is None else scale, block_q=block_q,
+                                              scale=scale, block_q=block_q,
                                               block_k=block_k, interpret=interpret)
     v = x[:, :, num_heads + num_kv_heads:num_heads + 2 * num_kv_heads]
     return _fused_attention(qi, qs, ki, ks, v, kv_lengths, pv=pv, block_q=block_q, block_k=block_k,
