@@ -214,12 +214,13 @@ def stacked_linear(layers: list[Linear], sources: tuple[str, ...]) -> Linear | N
     if len({layer.bias is None for layer in layers}) > 1:
         return None
     weights = [layer.weight.get_value() for layer in layers]
+    biases = [layer.bias[...] for layer in layers] if layers[0].bias is not None else None
     # Weights streamed from host memory (`--offload`) are stacked on the device and put back: XLA would otherwise
     # run the concatenation as host compute, which took tens of seconds for a model (session 6).
     home = _host_sharding(weights)
     if home is not None:
         device = home.with_memory_kind(next(iter(home.device_set)).default_memory().kind)
-        weights = jax.device_put(weights, device)
+        weights, biases = jax.device_put((weights, biases), device)
     if all(_is_gemm_weight(w) for w in weights):
         try:
             weight = concat_weights(weights)
@@ -229,18 +230,14 @@ def stacked_linear(layers: list[Linear], sources: tuple[str, ...]) -> Linear | N
         weight = jnp.concatenate(weights)
     else:
         return None
-    biased = layers[0].bias is not None
-    bias = None
-    if biased:
-        biases = [layer.bias[...] for layer in layers]
-        bias = jnp.concatenate(jax.device_put(biases, device) if home is not None else biases)
+    bias = None if biases is None else jnp.concatenate(biases)
     if home is not None:
         weight, bias = jax.device_put((weight, bias), home)
-    stacked = Linear(1, 1, bias=biased, dtype=jnp.float32, rngs=nnx.Rngs(0))  # then given the stacked weight
+    stacked = Linear(1, 1, bias=bias is not None, dtype=jnp.float32, rngs=nnx.Rngs(0))  # then given the stacked weight
     stacked.in_features, stacked.out_features = layers[0].in_features, sum(layer.out_features for layer in layers)
     stacked.weight = nnx.Param(weight)
     stacked.stacked_from = tuple((name, layer.out_features) for name, layer in zip(sources, layers, strict=True))
-    if biased:
+    if bias is not None:
         stacked.bias = nnx.Param(bias)
     return stacked
 

@@ -8,8 +8,8 @@ convention: `pred + g * (pred - neg)`, so g = 0 turns CFG off).
 
 from __future__ import annotations
 
-import functools
 import dataclasses
+import functools
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path

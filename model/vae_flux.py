@@ -8,8 +8,8 @@ latent scaling, tiling and loading. Arrays are channels-last: images (batch, hei
 
 from __future__ import annotations
 
-import functools
 import dataclasses
+import functools
 import re
 from pathlib import Path
 

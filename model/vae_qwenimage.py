@@ -13,8 +13,8 @@ normalisation, tiling and loading. Arrays are channels-last: images (batch, heig
 
 from __future__ import annotations
 
-import functools
 import dataclasses
+import functools
 import re
 from pathlib import Path
 
