@@ -194,7 +194,7 @@ class SwiGLU(nnx.Module):
         """Replace gate and up by one Linear of their stacked weights (see `Attention.stack_projections`)."""
         if self.gate_up is not None:
             return False
-        stacked = stacked_linear([self.gate, self.up], ("gate", "up"))
+        stacked = stacked_linear([self.gate, self.up], ("gate", "up"), swiglu=True)
         if stacked is not None:
             self.gate_up, self.gate, self.up = stacked, None, None
         return stacked is not None
@@ -203,7 +203,12 @@ class SwiGLU(nnx.Module):
                  residual_gate: jax.Array | None = None) -> jax.Array:
         """With `residual` and `residual_gate`: `residual + residual_gate * swiglu(x)` (see `Attention`)."""
         backend = fp8_input_backend(self.down)
-        if self.gate_up is not None and backend is not None:
+        paired = self.gate_up is not None and getattr(self.gate_up.weight.get_value(), "swiglu_width", 0)
+        if paired:  # SwiGLU in the gate/up GEMM's epilogue (`stacked_linear`), then one quantizing pass
+            hidden = self.gate_up.swiglu(x)
+            if backend is not None:
+                hidden = FP8Activations(*fused_fp8_producer("tokens_fp8", backend)(hidden), hidden.dtype)
+        elif self.gate_up is not None and backend is not None:
             # silu(gate) * up and its FP8 quantization in one pass over the stacked product
             gate_up = self.gate_up(x)
             hidden = FP8Activations(*fused_fp8_producer("swiglu_fp8", backend)(gate_up), gate_up.dtype)

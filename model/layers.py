@@ -137,8 +137,8 @@ def fp8_input_backend(*layers: "Linear") -> str | None:
 
 
 def fused_fp8_producer(name: str, backend: str):
-    """`pallas_kernels.activations.<name>` ("modulated_rms_norm_fp8", "swiglu_fp8", "sigmoid_gated_fp8") for
-    `backend`: the kernel under its own jit on the GPU (see `_jitted_kernel`), the jnp reference elsewhere."""
+    """`pallas_kernels.activations.<name>` ("modulated_rms_norm_fp8", "swiglu_fp8", "tokens_fp8",
+    "sigmoid_gated_fp8") for `backend`: the kernel under its own jit on the GPU (see `_jitted_kernel`), the jnp reference elsewhere."""
     if backend == "triton":
         return functools.partial(_jitted_kernel(name), backend="triton")
     from mxdit.pallas_kernels import activations
@@ -190,6 +190,17 @@ class Linear(nnx.Module):
         return y
 
 
+    def swiglu(self, x: jax.Array) -> jax.Array:
+        """`silu(gate) * up` (..., out_features / 2) for a Linear that `stacked_linear(..., swiglu=True)` made from
+        SwiGLU's gate and up: with a paired kernel weight, inside the GEMM's epilogue (the stacked product is never
+        written out); else from the stacked product, as `pallas_kernels.activations.swiglu` rounds it."""
+        weight = self.weight.get_value()
+        if _is_gemm_weight(weight) and weight.swiglu_width:
+            return _kernel_matmul(x, weight, None if self.bias is None else self.bias[...], activation="swiglu")
+        from mxdit.pallas_kernels.activations import swiglu
+
+        return swiglu(self(x))
+
     def gated_residual(self, x: jax.Array, residual: jax.Array, gate: jax.Array) -> jax.Array:
         """`residual + gate * self(x)`, the DiT's gated residual: x (batch, seq, in), residual (batch, seq, out), gate
         (batch, 1, out). With a kernel weight and one image in the batch, inside the GEMM's epilogue (float32, one
@@ -201,13 +212,15 @@ class Linear(nnx.Module):
         return residual + gate * self(x)
 
 
-def stacked_linear(layers: list[Linear], sources: tuple[str, ...]) -> Linear | None:
+def stacked_linear(layers: list[Linear], sources: tuple[str, ...], *, swiglu: bool = False) -> Linear | None:
     """One Linear computing `layers` (same input, no adapter, all with a bias or none) side by side: their outputs
     concatenated. Bigger products run closer to the GEMMs' peak than several narrow ones (Krea 2's K and V have 1536
     outputs). None when the layers cannot be stacked (an adapter, biases on some only, different weight formats).
     `sources`: the layers' names relative to the module that will hold the stacked one (its `stacked_from` keeps
-    them with their widths, so that `quantize_linear_layers` can still apply the checkpoint's rules)."""
-    from mxdit.pallas_kernels.gemm import concat_weights
+    them with their widths, so that `quantize_linear_layers` can still apply the checkpoint's rules).
+    `swiglu`: the layers are SwiGLU's gate and up; FP8 kernel weights without a bias are then paired for the GEMM's
+    SwiGLU epilogue (`gemm.swiglu_weight`; called through `Linear.swiglu`, which returns `silu(gate) * up`)."""
+    from mxdit.pallas_kernels.gemm import FORMATS, concat_weights, swiglu_weight
 
     if any(layer.lora is not None or layer.activation_format for layer in layers):
         return None
@@ -222,8 +235,14 @@ def stacked_linear(layers: list[Linear], sources: tuple[str, ...]) -> Linear | N
         device = home.with_memory_kind(next(iter(home.device_set)).default_memory().kind)
         weights, biases = jax.device_put((weights, biases), device)
     if all(_is_gemm_weight(w) for w in weights):
+        weight = None
+        if swiglu and biases is None and all(w.layout != "mx" and FORMATS[w.fmt].kind != "int8" for w in weights):
+            try:
+                weight = swiglu_weight(*weights)
+            except ValueError:  # widths the pairs do not divide: stacked plainly
+                pass
         try:
-            weight = concat_weights(weights)
+            weight = concat_weights(weights) if weight is None else weight
         except ValueError:
             return None
     elif all(isinstance(w, jax.Array) for w in weights):
@@ -283,6 +302,7 @@ def _jitted_kernel(name: str):
                                                               "num_warps", "num_stages", "backend", "out_dtype")),
         "modulated_rms_norm_fp8": (activations.modulated_rms_norm_fp8, ("eps", "backend", "interpret")),
         "swiglu_fp8": (activations.swiglu_fp8, ("backend", "interpret")),
+        "tokens_fp8": (activations.tokens_fp8, ("backend", "interpret")),
         "sigmoid_gated_fp8": (activations.sigmoid_gated_fp8, ("gate_offset", "backend", "interpret")),
         "int8_attention_fused": (attention_kernels.int8_attention_fused, (
             "eps", "pv", "block_q", "block_k", "scale", "interpret", "num_warps", "num_stages", "backend",
@@ -295,17 +315,19 @@ def _jitted_kernel(name: str):
 
 
 def _kernel_matmul(x: jax.Array, weight, bias: jax.Array | None, residual: jax.Array | None = None,
-                   gate: jax.Array | None = None) -> jax.Array:
+                   gate: jax.Array | None = None, activation: str = "none") -> jax.Array:
     """x (..., k) @ weight^T through `pallas_kernels.gemm.scaled_matmul` (activations quantized per token on the
-    fly), in x's dtype; with `residual` (..., n) and `gate` (n,): `residual + gate * product` in the epilogue."""
+    fly), in x's dtype; with `residual` (..., n) and `gate` (n,): `residual + gate * product` in the epilogue;
+    `activation` as the kernel's ("swiglu": (..., n / 2))."""
     lead = x.shape[:-1]
     residual = None if residual is None else residual.reshape(-1, weight.n)
     x_scale, out_dtype = None, x.dtype
     if isinstance(x, FP8Activations):
         x, x_scale = x.values, x.scales.reshape(-1)
     y = _jitted_kernel("scaled_matmul")(x.reshape(-1, x.shape[-1]), weight, x_scale, bias=bias, residual=residual,
-                                        gate=gate, out_dtype=out_dtype, backend=gemm_backend(weight))
-    return y.reshape(*lead, weight.n)
+                                        gate=gate, activation=activation, out_dtype=out_dtype,
+                                        backend=gemm_backend(weight))
+    return y.reshape(*lead, y.shape[-1])
 
 
 PRECISIONS = {"bf16": None, "fp8": "fp8_e4m3", "mxfp8": "mxfp8_e4m3", "mxfp6": "mxfp6_e2m3", "mxfp4": "mxfp4_e2m1",

@@ -8,6 +8,7 @@ modulation + quantization and ~225 us for SwiGLU + quantization (NOTES.md, sessi
 
 - `modulated_rms_norm_fp8`: `(1 + scale) * rmsnorm(x) + shift` (the DiT's adaptive norm before attention and SwiGLU).
 - `swiglu_fp8`: `silu(gate) * up` from the stacked gate/up product (the input of SwiGLU's down projection).
+- `tokens_fp8`: a tensor as it is (SwiGLU's output where the GEMM epilogue computed it).
 - `sigmoid_gated_fp8`: `out * sigmoid(gate)`, the attention output under its gate (the input of the output
   projection), with the gate read in place from the stacked Q/K/V/gate product.
 
@@ -23,6 +24,8 @@ boundaries, each within the quantization step.
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -121,7 +124,7 @@ def modulated_rms_norm_fp8(x, norm_weight, scale, shift, eps: float, *, backend:
         _store_fp8_row(ys, amax, c, q_ref, s_ref)
 
     specs = [_row_spec(d), _vec_spec(d, batched=False), _vec_spec(d), _vec_spec(d)]
-    return _row_call(kernel, b, s, d, interpret, specs, x, weight, one_plus, shift)
+    return _row_call("modulated_rms_norm_fp8", kernel, b, s, d, interpret, specs, x, weight, one_plus, shift)
 
 
 def swiglu_fp8(gate_up: jax.Array, *, backend: str = "triton", interpret: bool = False) -> tuple[jax.Array, jax.Array]:
@@ -146,7 +149,25 @@ def swiglu_fp8(gate_up: jax.Array, *, backend: str = "triton", interpret: bool =
             amax = jnp.maximum(amax, jnp.max(jnp.abs(y)))
         _store_fp8_row(ys, amax, c, q_ref, s_ref)
 
-    return _row_call(kernel, b, s, h, interpret, [_row_spec(d2)], gate_up)
+    return _row_call("swiglu_fp8", kernel, b, s, h, interpret, [_row_spec(d2)], gate_up)
+
+
+def tokens_fp8(y: jax.Array, *, backend: str = "triton", interpret: bool = False) -> tuple[jax.Array, jax.Array]:
+    """y (batch, seq, d) quantized to FP8 E4M3 per token in one pass (each row read once): the input of SwiGLU's
+    down projection when the gate/up GEMM applied SwiGLU in its epilogue (`gemm.swiglu_weight`). Returns as the
+    others; the values and scales of `gemm.quantize_activations`."""
+    b, s, d = y.shape
+    if backend == "reference":
+        return _quantized_rows(y)
+    _check_backend(backend)
+    c = _chunk(d)
+    from jax.experimental import pallas as pl
+
+    def kernel(y_ref, q_ref, s_ref):
+        ys = [y_ref[:, pl.ds(i * c, c)].astype(jnp.float32) for i in range(d // c)]
+        _store_fp8_row(ys, functools.reduce(jnp.maximum, [jnp.max(jnp.abs(v)) for v in ys]), c, q_ref, s_ref)
+
+    return _row_call("tokens_fp8", kernel, b, s, d, interpret, [_row_spec(d)], y)
 
 
 def sigmoid_gated_fp8(out: jax.Array, stacked: jax.Array, gate_offset: int, *, backend: str = "triton",
@@ -175,7 +196,8 @@ def sigmoid_gated_fp8(out: jax.Array, stacked: jax.Array, gate_offset: int, *, b
             amax = jnp.maximum(amax, jnp.max(jnp.abs(y)))
         _store_fp8_row(ys, amax, c, q_ref, s_ref)
 
-    return _row_call(kernel, b, s, d, interpret, [_row_spec(d), _row_spec(stacked.shape[2])], out, stacked)
+    return _row_call("sigmoid_gated_fp8", kernel, b, s, d, interpret, [_row_spec(d), _row_spec(stacked.shape[2])],
+                     out, stacked)
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -212,8 +234,9 @@ def _vec_spec(d: int, batched: bool = True):
     return pl.BlockSpec((1, d), (lambda bi, si: (bi, 0)) if batched else (lambda bi, si: (0, 0)))
 
 
-def _row_call(kernel, b: int, s: int, d_out: int, interpret: bool, in_specs, *args):
-    """A program per row (batch, token) writing d_out FP8 values and the row's scale."""
+def _row_call(name: str, kernel, b: int, s: int, d_out: int, interpret: bool, in_specs, *args):
+    """A program per row (batch, token) writing d_out FP8 values and the row's scale; `name`: the kernel's, in
+    profiles (the entry point's)."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import triton as pltriton
 
@@ -228,6 +251,7 @@ def _row_call(kernel, b: int, s: int, d_out: int, interpret: bool, in_specs, *ar
         # 8 warps: a row of up to 16384 values is ~64 float32 registers a thread
         compiler_params=pltriton.CompilerParams(num_warps=8, num_stages=1),
         interpret=interpret,
+        name=name,
     )(*args)
     pad = (-d_out) % BLOCK_K  # the GEMM takes K padded to whole 128-blocks, as `quantize_activations` gives it
     return (jnp.pad(values, ((0, 0), (0, 0), (0, pad))) if pad else values), scales[..., 0]

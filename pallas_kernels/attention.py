@@ -246,6 +246,7 @@ def _int8_attention_kernel(qi, qs, ki, ks, v32, kv_lengths, *, pv, block_q, bloc
         out_shape=jax.ShapeDtypeStruct((b, h, n_q * block_q, d), jnp.float32),
         compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
+        name="int8_attention",
     )(lengths, qi, qs, ki, ks, vb, v_scale)
     return out[:, :, :sq].transpose(0, 2, 1, 3)
 
@@ -509,6 +510,7 @@ def _int8_attention_mosaic(qi, qs, ki, ks, v32, kv_lengths, *, pv, block_k, num_
             collective_axes="wg",
         )
 
+    entry.__name__ = "int8_attention"  # what profiles list
     call = plgpu.kernel(
         entry,
         out_type=jax.ShapeDtypeStruct((b, 2 * n_q * rows, h, d), kernel_out),
@@ -673,6 +675,7 @@ def _rms_rope_quantize(x, weight, eps, cos_half, sin_half, mean, lengths, multip
                    jax.ShapeDtypeStruct((b, n_blocks, h), jnp.float32)],
         compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=2),
         interpret=interpret,
+        name="rms_rope_int8_keys" if masked else "rms_rope_int8",
     )(lengths, x, cos_half, sin_half, w_even, w_odd, mean_even, mean_odd)
     return qi[:, :s], qs
 

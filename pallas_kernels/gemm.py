@@ -24,6 +24,10 @@ Scaling (`../shared/reference/formats_and_kernels.md`, DeepGEMM's recipe):
   value on the device (not 6 or 4). The Triton path keeps the packed codes in memory and unpacks them in the kernel.
 
 Epilogue: `activation(y + bias)`, then `residual + gate * that` (the DiT's gated residual), all in float32.
+`activation="swiglu"` takes a weight made by `swiglu_weight` (the gate's and up's rows interleaved in runs of
+`SWIGLU_WIDTH`, so that every output tile holds both halves of its columns) and returns `silu(gate) * up`: (m, n / 2),
+rounded as the unfused model rounds it. The product of SwiGLU's gate and up (Krea 2: 4224 x 32768 a block) is then
+never written out and read back.
 """
 
 from __future__ import annotations
@@ -40,7 +44,8 @@ from mxdit.quant.formats import FORMATS, QuantizedArray, decode, element_values,
 
 BLOCK_K = 128  # the K extent of an activation / weight scale block, and of every kernel's K step
 MX_BLOCK = 32
-ACTIVATIONS = ("none", "gelu_tanh", "silu")
+ACTIVATIONS = ("none", "gelu_tanh", "silu", "swiglu")
+SWIGLU_WIDTH = 64  # rows of the gate, then of up, alternating in a `swiglu_weight` (divides every kernel tile width)
 WEIGHT_FORMATS = ("fp8_e4m3", "mxfp8_e4m3", "mxfp6_e2m3", "mxfp6_e3m2", "mxfp4_e2m1", "int8", "int8_rot")
 
 
@@ -49,7 +54,7 @@ WEIGHT_FORMATS = ("fp8_e4m3", "mxfp8_e4m3", "mxfp6_e2m3", "mxfp6_e3m2", "mxfp4_e
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["data", "scale", "high_bits"],
-                   meta_fields=["fmt", "layout", "n", "k", "scale_rows"])
+                   meta_fields=["fmt", "layout", "n", "k", "scale_rows", "swiglu_width"])
 @dataclasses.dataclass(frozen=True)
 class GemmWeight:
     """A weight (n, k) (PyTorch's (out, in) layout) in the form a backend reads.
@@ -61,7 +66,8 @@ class GemmWeight:
         "mx":      packed codes for the Triton kernel (`pack_mx_for_kernel`): `data` (n, k / 2) uint8 low nibbles,
                    `high_bits` (n, k / 4) uint8 (FP6 only), or `data` (n, k) FP8 for MXFP8; `scale` (n, k / 32) uint8
                    E8M0 exponents.
-    k is padded to a multiple of 128 (zeros), n is not.
+    k is padded to a multiple of 128 (zeros), n is not. `swiglu_width` > 0: a `swiglu_weight`, whose rows alternate
+    between runs of the gate's and of up's; it multiplies only with `activation="swiglu"`.
     """
 
     data: jax.Array
@@ -72,6 +78,7 @@ class GemmWeight:
     n: int
     k: int
     scale_rows: int = 1
+    swiglu_width: int = 0
 
 
 def _pad_k(x: jax.Array, multiple: int = BLOCK_K) -> jax.Array:
@@ -113,6 +120,8 @@ def concat_weights(weights: list[GemmWeight]) -> GemmWeight:
     block, so stacking is exact; MX folds made per `scale_rows` channels need each n to be a multiple of it."""
     first = weights[0]
     for w in weights:
+        if w.swiglu_width:
+            raise ValueError("concat_weights: a swiglu_weight is a whole product; stack its gate and up instead")
         if (w.fmt, w.layout, w.k, w.scale_rows) != (first.fmt, first.layout, first.k, first.scale_rows):
             raise ValueError("concat_weights: weights differ in format, layout, K or fold rows")
         if w.layout == "mx" or w.n % w.scale_rows:
@@ -120,6 +129,40 @@ def concat_weights(weights: list[GemmWeight]) -> GemmWeight:
     axis = 1 if first.layout == "block" else 0  # block scales are (k / 128, n)
     return GemmWeight(jnp.concatenate([w.data for w in weights]), jnp.concatenate([w.scale for w in weights], axis),
                       None, first.fmt, first.layout, sum(w.n for w in weights), first.k, first.scale_rows)
+
+
+def swiglu_weight(gate: GemmWeight, up: GemmWeight, width: int = SWIGLU_WIDTH) -> GemmWeight:
+    """SwiGLU's gate and up projections as one weight for `scaled_matmul(..., activation="swiglu")`: their rows
+    interleaved in runs of `width` (gate rows [0, w), up rows [0, w), gate rows [w, 2w), ...), so that a kernel tile
+    of 2 * width columns (or a multiple) holds the gate and up of the same `width` outputs and its epilogue applies
+    SwiGLU itself. Exact: rows keep their scales."""
+    if gate.n != up.n or gate.n % width:
+        raise ValueError(f"swiglu_weight: gate and up need the same number of outputs, a multiple of {width}; got "
+                         f"{gate.n} and {up.n}")
+    if gate.layout == "mx" or width % gate.scale_rows:
+        raise ValueError(f"swiglu_weight: a {gate.layout} weight folded per {gate.scale_rows} rows cannot be "
+                         f"interleaved in runs of {width}")
+    stacked = concat_weights([gate, up])
+    runs = gate.n // width
+
+    def paired(a: jax.Array, axis: int) -> jax.Array:  # [g0 g1 ... | u0 u1 ...] -> [g0 u0 g1 u1 ...] along axis
+        a = jnp.moveaxis(a, axis, 0)
+        a = a.reshape(2, runs, width, *a.shape[1:]).swapaxes(0, 1).reshape(2 * gate.n, *a.shape[1:])
+        return jnp.moveaxis(a, 0, axis)
+
+    return dataclasses.replace(stacked, data=paired(stacked.data, 0),
+                               scale=paired(stacked.scale, 1 if stacked.layout == "block" else 0), swiglu_width=width)
+
+
+def swiglu_pairs(y: jax.Array, width: int, dtype) -> jax.Array:
+    """`silu(gate) * up` of a product (..., 2h) by a `swiglu_weight`, rounded as the unfused model computes it from
+    the product in `dtype`: the product rounded, silu rounded, then the product of the two (float32 arithmetic, as
+    `activations.swiglu`). Returns (..., h) in float32 (rounded to `dtype`)."""
+    lead, n = y.shape[:-1], y.shape[-1]
+    pairs = y.astype(jnp.float32).reshape(*lead, n // (2 * width), 2, width)
+    g, u = (pairs[..., i, :].reshape(*lead, n // 2).astype(dtype).astype(jnp.float32) for i in (0, 1))
+    silu = (g * jax.nn.sigmoid(g)).astype(dtype).astype(jnp.float32)
+    return (silu * u).astype(dtype).astype(jnp.float32)
 
 
 def _e8m0_exponents(scale: jax.Array) -> jax.Array:
@@ -251,9 +294,11 @@ def _fp8_e4m3_rows(x: jax.Array) -> tuple[jax.Array, jax.Array]:
 # The definition
 
 
-def _epilogue(y, bias, activation, residual, gate):
+def _epilogue(y, bias, activation, residual, gate, swiglu_width=0, out_dtype=jnp.bfloat16):
     if bias is not None:
         y = y + bias.astype(jnp.float32)
+    if activation == "swiglu":
+        return swiglu_pairs(y, swiglu_width, out_dtype)  # no gate or residual (`scaled_matmul` checks)
     if activation == "gelu_tanh":
         y = jax.nn.gelu(y, approximate=True)
     elif activation == "silu":
@@ -310,7 +355,7 @@ def scaled_matmul_reference(x: jax.Array, x_scale: jax.Array, w: GemmWeight, *, 
         xf = (xf.reshape(m, k // BLOCK_K, BLOCK_K) * x_scale.T[..., None]).reshape(m, k)
     # int8_rot: x was quantized in the rotated basis too, and the rotations cancel in the product.
     y = jnp.dot(xf, dequantize_weight(w, rotated_basis=True).T, precision=jax.lax.Precision.HIGHEST)
-    return _epilogue(y, bias, activation, residual, gate).astype(out_dtype)
+    return _epilogue(y, bias, activation, residual, gate, w.swiglu_width, out_dtype).astype(out_dtype)
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -357,7 +402,7 @@ def default_mosaic_config(m: int, n: int, k: int, block_scaled: bool, residual: 
 
 
 def _mosaic_gemm(x, x_scale, w_data, w_scale, bias, residual, gate, *, x_blocks, w_blocks, activation, out_dtype,
-                 config: MosaicConfig, w_scale_rows: int = 1, interpret=False):
+                 config: MosaicConfig, w_scale_rows: int = 1, swiglu_width: int = 0, interpret=False):
     import jax.experimental.pallas as pl
     import jax.experimental.pallas.mosaic_gpu as plgpu
     from jax import lax
@@ -370,7 +415,12 @@ def _mosaic_gemm(x, x_scale, w_data, w_scale, bias, residual, gate, *, x_blocks,
     if m % cta_m or n % tn or k % tk:
         raise ValueError(f"mosaic gemm: ({m}, {k}) x ({n}, {k}) must be multiples of ({cta_m}, {tk}) x ({tn}, {tk})")
     m_iters, n_iters, k_iters = m // cta_m, n // tn, k // tk
-    epi_n = min(config.epi_tile_n, tn)
+    swiglu = activation == "swiglu"
+    if swiglu and tn % (2 * swiglu_width):
+        raise ValueError(f"mosaic gemm: tile_n {tn} must hold whole SwiGLU pairs of 2 x {swiglu_width} columns")
+    out_tn = tn // 2 if swiglu else tn  # the output columns of one tile
+    # SwiGLU: each pair's output (swiglu_width columns) leaves on its own
+    epi_n = swiglu_width if swiglu else min(config.epi_tile_n, tn)
     steps = min(config.max_concurrent_steps, k_iters)
     wgmma = plgpu.Layout.WGMMA
     fp8_transforms = (plgpu.TilingTransform((8, 128)), plgpu.SwizzleTransform(128))
@@ -388,7 +438,7 @@ def _mosaic_gemm(x, x_scale, w_data, w_scale, bias, residual, gate, *, x_blocks,
     n_barriers = len(col_vectors) + 3  # + row scales + two residual slices
     # The residual shares the output's two staging slots: a slice is fetched into the slot its output leaves from.
     # Prefetched, the first two slices arrive during the main loop (each slot's previous store must have been read).
-    n_parts = tn // epi_n
+    n_parts = out_tn // epi_n
     prefetched = min(2, n_parts) if (has_res and config.prefetch_residual) else 0
 
     def kernel(x_gmem, xs_gmem, w_gmem, ws_gmem, bias_gmem, res_gmem, gate_gmem, out_gmem, out_smem, row_smem,
@@ -483,14 +533,25 @@ def _mosaic_gemm(x, x_scale, w_data, w_scale, bias, residual, gate, *, x_blocks,
                     acc = acc * jax.nn.sigmoid(acc)
                 if has_gate:
                     acc = acc * column("gate")
-                if not has_res:
+                if not has_res and not swiglu:
                     acc = acc.astype(out_dtype)
+
+                def rounded(v):  # to the output's precision and back, as the unfused model's arithmetic rounds
+                    return v.astype(out_dtype).astype(jnp.float32)
+
+                def out_part(e):
+                    if not swiglu:
+                        return acc[:, e * epi_n:(e + 1) * epi_n]
+                    g = rounded(acc[:, 2 * e * epi_n:(2 * e + 1) * epi_n])
+                    u = rounded(acc[:, (2 * e + 1) * epi_n:(2 * e + 2) * epi_n])
+                    return (rounded(g * jax.nn.sigmoid(g)) * u).astype(out_dtype)  # as `swiglu_pairs`
+
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-                for e in range(tn // epi_n):
+                for e in range(n_parts):
                     slot = e % 2
                     plgpu.wait_smem_to_gmem(1, wait_read_only=True)
-                    out_cols = pl.ds(ni * tn + e * epi_n, epi_n)
-                    part = acc[:, e * epi_n:(e + 1) * epi_n]
+                    out_cols = pl.ds(ni * out_tn + e * epi_n, epi_n)
+                    part = out_part(e)
                     if has_res:
                         if e >= prefetched:
                             plgpu.copy_gmem_to_smem(res_gmem.at[rows].at[wg_rows].at[:, out_cols],
@@ -513,9 +574,13 @@ def _mosaic_gemm(x, x_scale, w_data, w_scale, bias, residual, gate, *, x_blocks,
 
     num_sms = 1 if interpret else jax.devices()[0].core_count
     dummy = jnp.zeros((16,), jnp.float32)
+    # profiles list the kernel under its body's name: say which product it is
+    kernel.__name__ = "scaled_matmul" + "".join(f"_{part}" for part, used in (
+        ("blocks", block_scaled), (activation, activation != "none"), ("gate", has_gate), ("residual", has_res))
+        if used)
     call = plgpu.kernel(
         kernel,
-        out_type=jax.ShapeDtypeStruct((m, n), out_dtype),
+        out_type=jax.ShapeDtypeStruct((m, n // 2 if swiglu else n), out_dtype),
         grid=(min(num_sms, m_iters * n_iters),),
         grid_names=("sm",),
         num_threads=wgs + 1,
@@ -690,14 +755,20 @@ def scaled_matmul(x: jax.Array, w: GemmWeight, x_scale: jax.Array | None = None,
         x: (m, k) float (quantized here, `x_scaling` "token" or "block") or already-quantized values with `x_scale`
             from `quantize_activations`.
         w: `prepare_weight(...)` for this backend.
-        bias, gate: (n,); residual: (m, n). The output is `residual + gate * activation(x @ w^T + bias)`.
+        bias, gate: (n,); residual: (m, n). The output is `residual + gate * activation(x @ w^T + bias)`; with
+            activation "swiglu" (a `swiglu_weight`, no residual or gate) `swiglu_pairs(x @ w^T + bias)`, (m, n / 2).
         backend: "mosaic" (Hopper), "triton" (portable) or "reference".
         interpret: run the Pallas kernel in interpret mode (CPU tests).
     Returns:
-        (m, n) `out_dtype`.
+        (m, n) `out_dtype` ((m, n / 2) for "swiglu").
     """
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
+    if (activation == "swiglu") != bool(w.swiglu_width):
+        raise ValueError("scaled_matmul: activation='swiglu' takes a `swiglu_weight` and such a weight only that "
+                         f"activation (got activation {activation!r}, swiglu_width {w.swiglu_width})")
+    if activation == "swiglu" and (residual is not None or gate is not None):
+        raise ValueError("scaled_matmul: the swiglu epilogue takes no residual or gate")
     int8 = FORMATS[w.fmt].kind == "int8"
     if x_scale is None:
         x, x_scale = quantize_activations(x, "token" if int8 else x_scaling, w.fmt if int8 else "fp8_e4m3")
@@ -711,6 +782,10 @@ def scaled_matmul(x: jax.Array, w: GemmWeight, x_scale: jax.Array | None = None,
                                        out_dtype=out_dtype)
     if backend == "triton":
         config = config or default_triton_config(m, w.n, w.k, w.fmt)
+        if activation == "swiglu":  # SwiGLU after the kernel (its tiles do not follow the weight's pairs)
+            y = _triton_gemm(x, x_scale, w, bias, None, None, activation="none", out_dtype=out_dtype, config=config,
+                             interpret=interpret)
+            return swiglu_pairs(y, w.swiglu_width, out_dtype).astype(out_dtype)
         return _triton_gemm(x, x_scale, w, bias, residual, gate, activation=activation, out_dtype=out_dtype,
                             config=config, interpret=interpret)
     if backend != "mosaic":
@@ -737,5 +812,5 @@ def scaled_matmul(x: jax.Array, w: GemmWeight, x_scale: jax.Array | None = None,
         residual = None if residual is None else jnp.pad(residual, ((0, 0), (0, pn)))
     y = _mosaic_gemm(x, x_scale.astype(jnp.float32), data, ws.astype(jnp.float32), bias, residual, gate,
                      x_blocks=x_blocks, w_blocks=w_blocks, activation=activation, out_dtype=out_dtype, config=config,
-                     w_scale_rows=w.scale_rows, interpret=interpret)
-    return y[:m, : w.n]
+                     w_scale_rows=w.scale_rows, swiglu_width=w.swiglu_width, interpret=interpret)
+    return y[:m, : w.n // 2 if w.swiglu_width else w.n]

@@ -302,6 +302,23 @@ def krea2_profile(args) -> None:
     print(f"{'ms/step':>8} {'calls/step':>10}  kernel")
     for name, ms in sorted(total.items(), key=lambda kv: -kv[1])[:args.top]:
         print(f"{ms:8.2f} {count[name] / args.iters:10.0f}  {name[:100]}")
+    # Idle time between kernels: the span the kernels cover minus the time some kernel ran, and which kernels the
+    # idle gaps come before (a launch the GPU waited for).
+    spans = sorted((e["ts"], e["ts"] + e["dur"], e["name"]) for e in events if e.get("ph") == "X"
+                   and e.get("pid") in gpu)
+    if not spans:
+        return
+    busy, gaps, end = 0.0, collections.defaultdict(float), spans[0][0]
+    for start, stop, name in spans:
+        if start > end:
+            gaps[name] += (start - end) / 1e3 / args.iters
+        busy += max(0.0, stop - max(start, end))
+        end = max(end, stop)
+    span = (end - spans[0][0]) / 1e3 / args.iters
+    print(f"\nGPU timeline: {span:.1f} ms a step, a kernel running {busy / 1e3 / args.iters:.1f} ms, idle "
+          f"{sum(gaps.values()):.1f} ms (between steps included); idle before:")
+    for name, ms in sorted(gaps.items(), key=lambda kv: -kv[1])[:10]:
+        print(f"{ms:8.2f}  {name[:100]}")
 
 
 def _dispatch_loop(step, state, x, text, timestep, n):

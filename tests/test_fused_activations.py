@@ -66,6 +66,18 @@ def test_swiglu_kernel_equals_reference(h):
     np.testing.assert_array_equal(np.asarray(kernel[1][1, 3]), 1.0)
 
 
+@pytest.mark.parametrize("d", [96, 256])
+def test_tokens_kernel_equals_quantize_activations(d):
+    """`tokens_fp8` (SwiGLU's output from the GEMM epilogue, quantized in one pass): `quantize_activations`' values
+    and scales, a zero row and an outlier among them."""
+    y = _inputs(d)[0]
+    kernel = A.tokens_fp8(y, interpret=True)
+    values, scales = quantize_activations(y.reshape(-1, d))
+    _same(kernel, (values.reshape(2, 5, -1), scales.reshape(2, 5)))
+    _same(kernel, A.tokens_fp8(y, backend="reference"))
+    assert kernel[0].shape == (2, 5, -(-d // 128) * 128)
+
+
 def test_swiglu_reference_agrees_with_the_model_within_bf16_rounding():
     """PyTorch's rounding (silu in float32, rounded; the product rounded) against XLA's bf16 `jax.nn.silu(g) * u`:
     both within bf16 rounding of the float32 value."""

@@ -111,6 +111,58 @@ def test_mosaic_residual_epilogue_with_large_tiles_and_prefetch(config):
     assert relative_l2(np.asarray(y), np.asarray(ref)) < 1e-6
 
 
+@pytest.mark.parametrize("backend,config", [
+    ("mosaic", gemm.MosaicConfig(64, 128, 2)),
+    ("mosaic", gemm.default_mosaic_config(4224, 6144, 32768, False)),  # 64 x 256 tiles: two pairs a tile
+    ("triton", SMALL_TRITON),
+    ("reference", None),
+], ids=["mosaic-128", "mosaic-default-M4224", "triton", "reference"])
+def test_swiglu_epilogue_is_swiglu_of_the_stacked_product(backend, config):
+    """`activation="swiglu"` on a `swiglu_weight` gives what the model computes from gate and up stacked plainly
+    (`activations.swiglu` of the bf16 product): the kernel against the definition exactly (float32 output), the
+    definition against the unfused product in bf16."""
+    from mxdit.pallas_kernels import activations
+
+    h = 192 if backend == "mosaic" and config.tile_n == 256 else 320  # 384 / 640 stacked: a padded last tile
+    x, w = _operands(11, m=130, k=200, n=2 * h)
+    gate, up = (gemm.prepare_weight(part, "fp8_e4m3", backend="mosaic") for part in (w[:h], w[h:]))
+    paired = gemm.swiglu_weight(gate, up)
+    bias = jax.random.normal(jax.random.key(12), (2 * h,))
+    paired_bias = bias.reshape(2, h // gemm.SWIGLU_WIDTH, -1).swapaxes(0, 1).reshape(-1)
+    xq, xs = gemm.quantize_activations(x, "token")
+    kw = dict(backend=backend, interpret=True) | ({"config": config} if config else {})
+    y32 = gemm.scaled_matmul(xq, paired, xs, bias=paired_bias, activation="swiglu", out_dtype=jnp.float32, **kw)
+    ref32 = gemm.scaled_matmul_reference(xq, xs, paired, bias=paired_bias, activation="swiglu", out_dtype=jnp.float32)
+    assert y32.shape == (130, h)
+    assert relative_l2(np.asarray(y32), np.asarray(ref32)) < 1e-6
+    y = gemm.scaled_matmul(xq, paired, xs, bias=paired_bias, activation="swiglu", **kw)
+    stacked = gemm.scaled_matmul_reference(xq, xs, gemm.concat_weights([gate, up]), bias=bias)  # bf16, [gate | up]
+    unfused = np.asarray(activations.swiglu(stacked), np.float32)
+    y = np.asarray(y, np.float32)
+    assert y.dtype == np.float32 and y.shape == unfused.shape
+    # the same roundings; the two products differ only in float32 summation order, so bf16 codes agree but for
+    # an occasional neighbouring code
+    assert np.mean(y == unfused) > 0.97
+    np.testing.assert_allclose(y, unfused, rtol=2 ** -6, atol=1e-6)  # a flipped input code: <= 2 steps
+
+
+def test_swiglu_weight_is_only_taken_by_the_swiglu_epilogue():
+    x, w = _operands(5, n=128)
+    gate, up = (gemm.prepare_weight(part, "fp8_e4m3") for part in (w[:64], w[64:]))
+    paired = gemm.swiglu_weight(gate, up)
+    with pytest.raises(ValueError, match="swiglu"):
+        gemm.scaled_matmul(x, paired, backend="reference")
+    with pytest.raises(ValueError, match="swiglu"):
+        gemm.scaled_matmul(x, gemm.concat_weights([gate, up]), activation="swiglu", backend="reference")
+    with pytest.raises(ValueError, match="residual or gate"):
+        gemm.scaled_matmul(x, paired, activation="swiglu", residual=jnp.zeros((M, 64)), backend="reference")
+    with pytest.raises(ValueError, match="multiple of 64"):
+        gemm.swiglu_weight(gemm.prepare_weight(w[:40], "fp8_e4m3"), gemm.prepare_weight(w[40:80], "fp8_e4m3"))
+    with pytest.raises(ValueError, match="folded per 128 rows"):
+        mx = [gemm.prepare_weight(part, "mxfp4_e2m1") for part in (w[:64], w[64:])]
+        gemm.swiglu_weight(*mx)
+
+
 def test_fast_activation_quantizer_gives_the_bits_of_quant_formats():
     x, _ = _operands(4, k=384)
     x = x * jnp.exp(3 * jax.random.normal(jax.random.key(5), x.shape))  # a wide dynamic range

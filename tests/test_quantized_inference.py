@@ -76,6 +76,26 @@ def test_stacked_projections_give_the_same_velocity(tiny, precision):
     assert relative_l2(out, expected) <= 1e-6
 
 
+def test_swiglu_in_the_gemm_epilogue_gives_the_unfused_velocity(tiny):
+    """FP8 gate and up stacked in the SwiGLU epilogue's paired order (widths divisible by `gemm.SWIGLU_WIDTH`: the
+    tiny fixture's 48 are not, so its blocks get 64 here): the same velocity as gate and up apart."""
+    import dataclasses
+
+    from mxdit.model.krea2 import Krea2Config, stack_projections
+
+    model, inputs = tiny
+    cfg = dataclasses.replace(model.config, intermediate_size=64, text_intermediate_size=128)
+    separate = Krea2Transformer(cfg, dtype=jnp.float32, rngs=nnx.Rngs(5))
+    assert isinstance(cfg, Krea2Config)
+    quantize_linear_layers(separate, krea2_rules("fp8_e4m3"), kernels=True)
+    stacked = nnx.clone(separate)
+    stack_projections(stacked)
+    for ff in (stacked.transformer_blocks[0].ff, stacked.text_fusion.layerwise_blocks[0].ff):
+        assert ff.gate_up.weight.get_value().swiglu_width == 64
+    out, expected = (np.asarray(jax.jit(lambda *a, m=m: m(*a))(*inputs)) for m in (stacked, separate))
+    assert relative_l2(out, expected) <= 1e-5
+
+
 @pytest.mark.parametrize("precision", ["fp8", "int8"])
 def test_quantizing_after_stacking_gives_the_weights_of_quantizing_before(tiny, precision):
     """The rules name the checkpoint's projections; a stacked Linear is quantized as its sources would have been."""
