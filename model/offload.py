@@ -13,9 +13,9 @@ Measured on the H200 (NOTES.md, session 5): a bf16 block (0.87 GB) crosses PCIe 
 under a 24 GB cap, 0.273 s a step against 0.187 all resident (31.7% exposed; 79.7% when each copy was its own
 `device_put` and the host waited per block). FP8 blocks (0.43 GB, session 6): 20 of 28 resident 0.174 s against
 0.120, 10 resident 0.254 (31% and 53% exposed), ~7 ms a streamed block where the copy alone should take ~8.3 and
-overlap ~4.2 of compute. The first repeat of every capped run took 11-12 s a step: XLA had run `stack_projections`'
-concatenation of host-memory weights as host compute (now stacked on the device, `layers.stacked_linear`), a
-suspect not yet confirmed on the GPU.
+overlap ~4.2 of compute. The first repeat of every capped run took 11-12 s a step: the second step's inputs were
+committed arrays where the first's were not, and jit compiled all programs again (found on the CPU with
+JAX_LOG_COMPILES; the inputs are now committed first).
 """
 
 from __future__ import annotations
@@ -94,7 +94,11 @@ class _Streamed:
         self.rest_graph, self.rest_state = nnx.split(rest)
         self.rest_model = rest
         self.config, self.dtype = model.config, model.dtype
-        self._embed = jax.jit(lambda state, *args: nnx.merge(self.rest_graph, state).embed(*args))
+        embed = jax.jit(lambda state, *args: nnx.merge(self.rest_graph, state).embed(*args))
+        # The inputs committed to the device: jit compiles an uncommitted array (the first step's, made by jnp) and
+        # a committed one (a later step's, a program's output) apart, and every block program after them, so the
+        # second step compiled everything again: the capped runs' "slow first repeat" of sessions 5 and 6.
+        self._embed = lambda state, *args: embed(state, *jax.device_put(args, self.stream.on_device))
         self._finish = jax.jit(lambda state, x, temb, n: nnx.merge(self.rest_graph, state).finish(x, temb, n),
                                static_argnums=3)
 

@@ -31,6 +31,19 @@ def test_streamed_blocks_give_the_transformer_output(tiny_and_inputs, resident, 
     assert float(jnp.linalg.norm(out - expected) / jnp.linalg.norm(expected)) <= 1e-4  # diffusers' output
 
 
+def test_later_steps_reuse_the_first_steps_programs(tiny_and_inputs):
+    """A step fed the previous step's output (a committed device array) runs the programs the first step compiled
+    for numpy / jnp inputs: before, each program compiled again at the second step (tens of seconds on the GPU)."""
+    model, args, _ = tiny_and_inputs
+    streamed = StreamedKrea2(nnx.clone(model), resident=1, prefetch=1)
+    out = streamed(*args)
+    sizes = streamed._block._cache_size()
+    assert sizes >= 1
+    for _ in range(2):
+        out = streamed(out.astype(jnp.float32), *args[1:])
+    assert streamed._block._cache_size() == sizes
+
+
 def test_bad_streaming_arguments_are_named(tiny_and_inputs):
     model, _, _ = tiny_and_inputs
     with pytest.raises(ValueError, match="resident must be between 0 and the 2 blocks"):
