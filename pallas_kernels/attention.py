@@ -614,15 +614,20 @@ def _round_half_even(x: jax.Array) -> jax.Array:
 
 
 def _rms_rope_quantize(x, weight, eps, cos_half, sin_half, mean, lengths, multiplier, block, interpret,
-                       num_warps: int = 8, heads: tuple[int, int] | None = None):
-    """The kernel: a program per (batch, block of `block` tokens, head). 8 warps: half the registers a thread holds
-    of the (block, head_dim) tile, twice the occupancy: 270 vs 549 us for Krea 2's Q at 4224 tokens (NOTES.md).
-    `heads` (first, count): only those heads of x, read in place (all of them by default)."""
+                       num_warps: int = 8, heads: tuple[int, int] | None = None, heads_per_program: int = 1):
+    """The kernel: a program per (batch, block of `block` tokens, group of `heads_per_program` heads; fewer when
+    the heads or their first one are no multiple of it). 8 warps: half the registers a thread holds of the
+    (block, head_dim) tile, twice the occupancy: 270 vs 549 us for Krea 2's Q at 4224 tokens (NOTES.md). A group
+    shares the rotary tables' loads and a program's fixed costs (measured per head: Q 122 us at 4224 tokens, 48
+    heads, ~5x what its bytes take). `heads` (first, count): only those heads of x, read in place (all of them by
+    default)."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import triton as pltriton
 
     b, s, _, d = x.shape
     first, h = heads if heads is not None else (0, x.shape[2])
+    # a power of two (Triton's block shapes) dividing the heads and their first one
+    group = max(g for g in (1, 2, 4, 8, 16) if g <= heads_per_program and h % g == 0 and first % g == 0)
     half = d // 2
     pad = (-s) % block
     if pad:  # zero rows: they contribute nothing to a block's amax
@@ -635,42 +640,52 @@ def _rms_rope_quantize(x, weight, eps, cos_half, sin_half, mean, lengths, multip
     mean_even, mean_odd = mean[..., :half], mean[..., half:]
     masked = lengths is not None
     lengths = jnp.full((b,), s, jnp.int32) if lengths is None else lengths
+    # One head a program: the head axis squeezed out of the blocks (the layout the kernel was first measured in);
+    # a group: (block, group, half) tiles, the norm per (token, head), the scale per head.
+    head_block = None if group == 1 else group
+    heads_axis = () if group == 1 else (slice(None),)
 
     def kernel(lengths_ref, x_ref, c_ref, s_ref, we_ref, wo_ref, me_ref, mo_ref, q_ref, scale_ref):
         bi, si = pl.program_id(0), pl.program_id(1)
-        even = x_ref[:, pl.ds(0, half, stride=2)].astype(jnp.float32)  # (block, half): the real parts
-        odd = x_ref[:, pl.ds(1, half, stride=2)].astype(jnp.float32)  # the imaginary parts
-        inv = jax.lax.rsqrt((jnp.sum(even * even, axis=1) + jnp.sum(odd * odd, axis=1)) / d + eps)
-        even = even * inv[:, None] * we_ref[...][None, :]
-        odd = odd * inv[:, None] * wo_ref[...][None, :]
-        c, sn = c_ref[...], s_ref[...]
-        real = (even * c - odd * sn - me_ref[...][None, :]) * multiplier
-        imag = (odd * c + even * sn - mo_ref[...][None, :]) * multiplier
+        per_head = (slice(None), None) if group > 1 else (slice(None),)  # broadcasts a token's value over heads
+
+        def load(ref, start, stride=1):
+            return ref[(slice(None), *heads_axis, pl.ds(start, half, stride=stride))].astype(jnp.float32)
+
+        even, odd = load(x_ref, 0, 2), load(x_ref, 1, 2)  # the real and the imaginary parts
+        inv = jax.lax.rsqrt((jnp.sum(even * even, axis=-1) + jnp.sum(odd * odd, axis=-1)) / d + eps)[..., None]
+        even = even * inv * we_ref[...]
+        odd = odd * inv * wo_ref[...]
+        c, sn = c_ref[...][per_head], s_ref[...][per_head]
+        real = (even * c - odd * sn - me_ref[...]) * multiplier
+        imag = (odd * c + even * sn - mo_ref[...]) * multiplier
         if masked:  # masked keys are zeroed: they must not enter the block's scale
-            rows = si * block + jax.lax.broadcasted_iota(jnp.int32, (block, half), 0)
+            rows = si * block + jax.lax.broadcasted_iota(jnp.int32, real.shape, 0)
             keep = rows < lengths_ref[bi]
             real, imag = jnp.where(keep, real, 0.0), jnp.where(keep, imag, 0.0)
-        amax = jnp.maximum(jnp.max(jnp.abs(real)), jnp.max(jnp.abs(imag)))
+        amax = jnp.maximum(jnp.max(jnp.max(jnp.abs(real), axis=-1), axis=0),
+                           jnp.max(jnp.max(jnp.abs(imag), axis=-1), axis=0))  # per head
         step = jnp.where(amax > 0, amax / 127.0, 1.0)
-        q_ref[:, pl.ds(0, half)] = jnp.clip(_round_half_even(real / step), -127, 127).astype(jnp.int8)
-        q_ref[:, pl.ds(half, half)] = jnp.clip(_round_half_even(imag / step), -127, 127).astype(jnp.int8)
+        for start, v in ((0, real), (half, imag)):
+            q = jnp.clip(_round_half_even(v / step[..., None]), -127, 127).astype(jnp.int8)
+            q_ref[(slice(None), *heads_axis, pl.ds(start, half))] = q
         scale_ref[...] = step
 
     qi, qs = pl.pallas_call(
         kernel,
-        grid=(b, n_blocks, h),
+        grid=(b, n_blocks, h // group),
         in_specs=[
             pl.no_block_spec,
-            pl.BlockSpec((None, block, None, d), lambda bi, si, hi: (bi, si, hi + first, 0)),
+            pl.BlockSpec((None, block, head_block, d), lambda bi, si, hi: (bi, si, hi + first // group, 0)),
             pl.BlockSpec((None, block, half), lambda bi, si, hi: (bi, si, 0)),
             pl.BlockSpec((None, block, half), lambda bi, si, hi: (bi, si, 0)),
             pl.BlockSpec((half,), lambda bi, si, hi: (0,)),
             pl.BlockSpec((half,), lambda bi, si, hi: (0,)),
-            pl.BlockSpec((None, None, half), lambda bi, si, hi: (bi, hi, 0)),
-            pl.BlockSpec((None, None, half), lambda bi, si, hi: (bi, hi, 0)),
+            pl.BlockSpec((None, head_block, half), lambda bi, si, hi: (bi, hi, 0)),
+            pl.BlockSpec((None, head_block, half), lambda bi, si, hi: (bi, hi, 0)),
         ],
-        out_specs=[pl.BlockSpec((None, block, None, d), lambda bi, si, hi: (bi, si, hi, 0)),
-                   pl.BlockSpec((None, None, None), lambda bi, si, hi: (bi, si, hi))],
+        out_specs=[pl.BlockSpec((None, block, head_block, d), lambda bi, si, hi: (bi, si, hi, 0)),
+                   pl.BlockSpec((None, None, head_block), lambda bi, si, hi: (bi, si, hi))],
         out_shape=[jax.ShapeDtypeStruct((b, s + pad, h, d), jnp.int8),
                    jax.ShapeDtypeStruct((b, n_blocks, h), jnp.float32)],
         compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=2),

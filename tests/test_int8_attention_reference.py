@@ -251,6 +251,27 @@ def test_fused_prologue_gives_the_codes_of_the_separate_steps(batched_tables):
     np.testing.assert_allclose(ks, ks2, rtol=1e-6)
 
 
+@pytest.mark.parametrize("heads_per_program", [2, 4])
+def test_prologue_kernel_over_groups_of_heads_gives_the_codes_of_one_head_a_program(heads_per_program):
+    """The Q/K prologue kernel with several heads a program (the rotary tables loaded once for them): the codes of
+    one head a program, and the scales up to float32 rounding; Q's heads and, read in place after them, the masked
+    keys' (a stacked source), over a sequence the blocks do not divide."""
+    from mxdit.pallas_kernels import attention as A
+
+    rng = np.random.default_rng(3)
+    b, s, h, hk, d = 2, 100, 4, 4, 64
+    x = jnp.asarray(rng.standard_normal((b, s, h + hk + 2, d)) * 3, jnp.bfloat16)
+    weight = jnp.asarray(rng.standard_normal(d) * 0.1, jnp.float32)
+    angles = np.arange(s)[:, None] * (1.0 / 100 ** (np.arange(0, d, 2) / d))
+    cos, sin = (jnp.broadcast_to(jnp.asarray(f(angles), jnp.float32), (b, s, d // 2)) for f in (np.cos, np.sin))
+    for first, count, lengths, mult in ((0, h, None, 0.125), (h, hk, jnp.asarray([100, 61]), 1.0)):
+        mean = jnp.asarray(rng.standard_normal((b, count, d)) * 0.3, jnp.float32)
+        one, group = (A._rms_rope_quantize(x, weight, 1e-6, cos, sin, mean, lengths, mult, 64, True,
+                                           heads=(first, count), heads_per_program=g) for g in (1, heads_per_program))
+        np.testing.assert_array_equal(np.asarray(group[0]), np.asarray(one[0]))
+        np.testing.assert_allclose(np.asarray(group[1]), np.asarray(one[1]), rtol=1e-6)
+
+
 @pytest.mark.parametrize("pv", ["bf16", "fp8"])
 def test_fused_attention_matches_attention_of_normed_rotated_inputs(pv):
     from mxdit.pallas_kernels import attention as A
