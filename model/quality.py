@@ -16,6 +16,7 @@ from mxdit.quant.gates import GateReport, evaluate
 from mxdit.quant.model import dequantize_model, format_for, krea2_rules, quantize_model, weight_bytes
 
 from .images import unit_range_to_uint8
+from .krea2 import stack_projections
 from .layers import Linear, quantize_linear_layers
 from .loading import iter_params, module_key
 from .pipeline_common import image_position_ids
@@ -56,7 +57,8 @@ def krea2_quality(pipe: Krea2Pipeline, formats: Sequence[str], prompts: Sequence
     unquantized ones (all prompts x seeds side by side), cosine etc. of the transformer's output on fixed inputs.
     Weights only, or with `activations` also the inputs of the quantized layers (rows named `fmt W+A`, the inputs
     in the weights' format), or with `kernels` the inference path itself (rows `fmt GEMM`: `quantize_linear_layers`,
-    the GEMM kernels' numerics with activations per token in FP8, or INT8 for INT8 weights)."""
+    the GEMM kernels' numerics with activations per token in FP8, or INT8 for INT8 weights, the projections stacked
+    as generate.py stacks them)."""
     kwargs = dict(height=height, width=width, num_inference_steps=steps, max_sequence_length=max_sequence_length,
                   output_type="np")
 
@@ -81,6 +83,7 @@ def krea2_quality(pipe: Krea2Pipeline, formats: Sequence[str], prompts: Sequence
         if kernels:
             gemm = nnx.clone(pipe.transformer)
             quantize_linear_layers(gemm, rules, kernels=True)
+            stack_projections(gemm)  # as generate.py runs it: stacked projections, SwiGLU in the FP8 GEMM's epilogue
             variants.append((f"{fmt} GEMM", gemm))
         for name, model in variants:
             quantized = Krea2Pipeline(model, pipe.vae, pipe.text_encoder, pipe.tokenizer, pipe.config)
