@@ -572,16 +572,19 @@ def int8_qk_prologue(q, k, norm_q, norm_k, eps: float, cos, sin, kv_lengths=None
 
 def int8_qk_prologue_stacked(qkv, num_heads: int, num_kv_heads: int, norm_q, norm_k, eps: float, cos, sin,
                              kv_lengths=None, *, scale: float, block_q: int = 64, block_k: int = 64,
-                             smooth_k: bool = True, interpret: bool = False):
+                             smooth_k: bool = True, interpret: bool = False, heads_per_program: int = 1,
+                             num_warps: int = 8):
     """`int8_qk_prologue` with Q and K read in place from one stacked projection (batch, seq, H, head_dim), whose
-    heads are [Q (num_heads) | K (num_kv_heads) | ...]: no copy of Q or K sliced out of it first."""
+    heads are [Q (num_heads) | K (num_kv_heads) | ...]: no copy of Q or K sliced out of it first.
+    `heads_per_program`, `num_warps`: the kernel's (see `_rms_rope_quantize`; `benchmark.py qk-prologue` times
+    them)."""
     return _qk_prologue(qkv, (0, num_heads), qkv, (num_heads, num_kv_heads), norm_q, norm_k, eps, cos, sin,
                         kv_lengths, scale=scale, block_q=block_q, block_k=block_k, smooth_k=smooth_k,
-                        interpret=interpret)
+                        interpret=interpret, heads_per_program=heads_per_program, num_warps=num_warps)
 
 
 def _qk_prologue(q_src, q_heads, k_src, k_heads, norm_q, norm_k, eps, cos, sin, kv_lengths, *, scale, block_q,
-                 block_k, smooth_k, interpret):
+                 block_k, smooth_k, interpret, heads_per_program: int = 1, num_warps: int = 8):
     """The prologue on heads [first, first + count) of `q_src` and `k_src` (`q_heads`, `k_heads`)."""
     b, s, _, d = q_src.shape
     (_, h), (k_first, hk) = q_heads, k_heads
@@ -595,9 +598,10 @@ def _qk_prologue(q_src, q_heads, k_src, k_heads, norm_q, norm_k, eps, cos, sin, 
         k_mean = jnp.sum(k32, axis=1) / jnp.maximum(valid.sum(axis=1), 1)[:, None, None]
     lengths = _key_lengths(kv_lengths, b, s)
     q_mean = jnp.zeros((b, h, d), jnp.float32)
-    qi, qs = _rms_rope_quantize(q_src, norm_q, eps, cos, sin, q_mean, None, scale, block_q, interpret, heads=q_heads)
-    ki, ks = _rms_rope_quantize(k_src, norm_k, eps, cos, sin, _deinterleave(k_mean), lengths, 1.0, block_k,
-                                interpret, heads=k_heads)
+    kernel = functools.partial(_rms_rope_quantize, num_warps=num_warps, heads_per_program=heads_per_program)
+    qi, qs = kernel(q_src, norm_q, eps, cos, sin, q_mean, None, scale, block_q, interpret, heads=q_heads)
+    ki, ks = kernel(k_src, norm_k, eps, cos, sin, _deinterleave(k_mean), lengths, 1.0, block_k, interpret,
+                    heads=k_heads)
     return qi, qs, ki, ks
 
 

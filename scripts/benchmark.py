@@ -785,6 +785,45 @@ def _cupti_seconds(fn, *inputs, iterations: int, by_kernel: bool = False):
     return statistics.median(totals), {k: statistics.median(v) for k, v in names.items()}
 
 
+def qk_prologue(args) -> None:
+    """The INT8 attention's fused Q/K prologue (RMSNorm, rotary, K smoothing, INT8 per block: Krea 2's Q and K read
+    in place from the stacked QKVG product) for each --heads-per-program x --warps: CUPTI time of each kernel, and
+    whether the codes and scales equal those of the first configuration."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from mxdit.pallas_kernels import attention
+
+    b, s, h, hk, d = 1, args.seq, args.heads, args.kv_heads, 128
+    x = (jax.random.normal(jax.random.key(0), (b, s, 2 * h + 2 * hk, d), jnp.float32) * 3).astype(jnp.bfloat16)
+    norms = jax.random.normal(jax.random.key(1), (2, d), jnp.float32) * 0.1
+    angles = np.arange(s)[:, None] * (1.0 / 1000 ** (np.arange(0, d, 2) / d))
+    cos, sin = (jnp.asarray(np.repeat(f(angles), 2, -1), jnp.float32) for f in (np.cos, np.sin))
+    lengths = jnp.asarray([s - 8])
+    print(f"\nQ/K prologue, {s} tokens, {h}/{hk} heads of {d}, stacked source; us per kernel (CUPTI)")
+    first = None
+    for group in args.heads_per_program:
+        for warps in args.warps:
+            run = jax.jit(lambda x, norms, group=group, warps=warps: attention.int8_qk_prologue_stacked(
+                x, h, hk, norms[0], norms[1], 1e-6, cos, sin, lengths, scale=d**-0.5, block_q=64, block_k=128,
+                heads_per_program=group, num_warps=warps, interpret=jax.default_backend() != "gpu"))
+            label = f"{group} heads a program, {warps} warps"
+            try:
+                out = jax.block_until_ready(run(x, norms))
+                total, kernels = _cupti_seconds(run, x, norms, iterations=args.iters, by_kernel=True)
+            except Exception as e:  # a configuration that does not compile here
+                print(f"{label:<32} error: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
+                continue
+            first = first or out
+            same = all(np.array_equal(np.asarray(a), np.asarray(b_)) for a, b_ in zip(out[0::2], first[0::2]))
+            close = all(np.allclose(np.asarray(a), np.asarray(b_), rtol=1e-6)
+                        for a, b_ in zip(out[1::2], first[1::2]))  # the scales
+            parts = ", ".join(f"{name[:24]} {t * 1e6:.1f}"
+                              for name, t in sorted(kernels.items(), key=lambda kv: -kv[1]))
+            print(f"{label:<32} total {total * 1e6:7.1f}  codes {'equal' if same and close else 'DIFFER'}  {parts}")
+
+
 def jax_gemm(args) -> list[dict]:
     """XLA's bf16 and FP8 dots and our kernels on each shape; errors against the float32 product of the dequantized
     operands."""
@@ -1431,6 +1470,13 @@ def main(argv=None) -> None:
                        default=[(128, 2), (128, 3), (64, 3), (64, 4)],
                        help="block_k,stages of the Mosaic GPU INT8 attention (its K/V ring; the first also runs fused)")
         p.add_argument("--json", default=None)
+    p = sub.add_parser("qk-prologue")
+    p.add_argument("--seq", type=int, default=4224)
+    p.add_argument("--heads", type=int, default=48)
+    p.add_argument("--kv-heads", type=int, default=12)
+    p.add_argument("--heads-per-program", nargs="+", type=int, default=[1, 2, 4])
+    p.add_argument("--warps", nargs="+", type=int, default=[8, 16])
+    p.add_argument("--iters", type=int, default=20)
     p = sub.add_parser("krea2-sharded-step")
     p.add_argument("--meshes", nargs="+", default=["", "seq=2", "seq=4", "seq=8"],
                    help='mesh texts as for generate.py --mesh ("" is one device)')
@@ -1480,7 +1526,7 @@ def main(argv=None) -> None:
         "vae-decode": vae_decode, "vae-decode-diffusers": diffusers_vae_decode, "vae-decode-jax": jax_vae_decode,
         "flux-step": flux_step, "flux-step-diffusers": diffusers_flux_step, "flux-step-jax": jax_flux_step,
         "gemm": gemm_benchmark, "gemm-jax": jax_gemm, "gemm-torch": torch_gemm, "attention": attention_benchmark,
-        "attention-jax": jax_attention, "attention-torch": torch_attention,
+        "attention-jax": jax_attention, "attention-torch": torch_attention, "qk-prologue": qk_prologue,
         "krea2-sharded-step": krea2_sharded_step,
         "krea2-lora-step": lora_step, "krea2-lora-step-jax": jax_lora_step,
         "flux-lora-step": lora_step, "flux-lora-step-jax": jax_lora_step,
