@@ -216,6 +216,8 @@ def jax_krea2_offload(args) -> list[dict]:
 
         row.update(_timed(steps, args.iters, args.repeats))
         row["tflops"] = flops / row["s_per_step"] / 1e12
+        if resident < cfg.num_layers:
+            row.update(_streamed_block_times(streamed, hidden, text, timestep, position_ids, mask))
     except Exception as e:
         row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
     stats = device.memory_stats() or {}
@@ -223,6 +225,34 @@ def jax_krea2_offload(args) -> list[dict]:
     row["limit_gb"] = stats.get("bytes_limit", 0) / 1e9
     print(json.dumps(row), flush=True)
     return [row]
+
+
+def _streamed_block_times(streamed, *inputs, repeats: int = 5) -> dict:
+    """What a streamed block costs, in parts: its weights' copy from host memory alone (and the bytes), one block's
+    program alone, and the program with the copy of a streamed block's weights beside it (as streaming runs it). If
+    the copy overlapped the compute perfectly, each streamed block would expose max(0, copy - block) ms."""
+    import jax
+
+    x, _, temb_mod, rotary, kv_lengths = streamed._embed(streamed.rest_state, *inputs)
+    block_args = (x, temb_mod, rotary, kv_lengths)
+    host = streamed.block_states[-1]
+    on_device = streamed.stream.on_device
+    state = streamed.block_states[0] if streamed.stream.resident else jax.device_put(host, on_device)
+
+    def median_ms(fn):
+        jax.block_until_ready(fn())
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            jax.block_until_ready(fn())
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times) * 1e3
+
+    copy_ms = median_ms(lambda: jax.device_put(host, on_device))
+    gb = sum(leaf.nbytes for leaf in jax.tree.leaves(host)) / 1e9
+    return {"block_gb": gb, "copy_ms": copy_ms, "copy_gb_s": gb / copy_ms * 1e3,
+            "block_ms": median_ms(lambda: streamed._block(streamed.rest_state, state, block_args, None)),
+            "block_and_copy_ms": median_ms(lambda: streamed._block(streamed.rest_state, state, block_args, host))}
 
 
 def krea2_offload(args) -> None:
@@ -252,6 +282,11 @@ def krea2_offload(args) -> None:
         wait = f"{(r['s_per_step'] - base) / r['s_per_step']:12.1%}" if base else f"{'':>12}"
         print(f"{r['name']:<58} {r['s_per_step']:8.4f} {max(r['repeats_s']):8.4f} {wait:>13} {r['peak_gb']:8.1f} "
               f"{r['limit_gb']:9.1f}")
+    for r in rows:
+        if "copy_ms" in r:
+            print(f"  {r['name']}: a streamed block's {r['block_gb']:.2f} GB copy alone {r['copy_ms']:.1f} ms "
+                  f"({r['copy_gb_s']:.0f} GB/s), a block alone {r['block_ms']:.1f} ms, a block with a copy beside it "
+                  f"{r['block_and_copy_ms']:.1f} ms")
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
 
