@@ -182,7 +182,7 @@ class GELUProj(nnx.Module):
         self.proj = Linear(dim, hidden, bias=True, dtype=dtype, rngs=rngs)
 
     def __call__(self, x):
-        return jax.nn.gelu(self.proj(x), approximate=True)
+        return self.proj.activated(x, "gelu_tanh")  # in the GEMM's epilogue with kernel weights
 
 
 class NoParams(nnx.Module):
@@ -197,7 +197,11 @@ class FeedForward(nnx.Module):
         self.net = nnx.List([GELUProj(dim, 4 * dim, dtype=dtype, rngs=rngs), NoParams(),
                              Linear(4 * dim, dim, bias=True, dtype=dtype, rngs=rngs)])
 
-    def __call__(self, x):
+    def __call__(self, x, residual=None, residual_gate=None):
+        """With `residual` and `residual_gate` (batch, 1, dim): `residual + residual_gate * ff(x)`, in the output
+        projection's epilogue with kernel weights (`Linear.gated_residual`)."""
+        if residual is not None:
+            return self.net[2].gated_residual(self.net[0](x), residual, residual_gate)
         return self.net[2](self.net[0](x))
 
 
@@ -222,9 +226,10 @@ class DoubleStreamBlock(nnx.Module):
         attn, context_attn = self.attn(layer_norm(x) * (1 + scale) + shift, rotary, implementation,
                                        context=layer_norm(context) * (1 + c_scale) + c_shift)
         x = x + gate * attn
-        x = x + gate_mlp * self.ff(layer_norm(x) * (1 + scale_mlp) + shift_mlp)
+        x = self.ff(layer_norm(x) * (1 + scale_mlp) + shift_mlp, residual=x, residual_gate=gate_mlp)
         context = context + c_gate * context_attn
-        context = context + c_gate_mlp * self.ff_context(layer_norm(context) * (1 + c_scale_mlp) + c_shift_mlp)
+        context = self.ff_context(layer_norm(context) * (1 + c_scale_mlp) + c_shift_mlp, residual=context,
+                                  residual_gate=c_gate_mlp)
         return x, context
 
 
@@ -259,7 +264,8 @@ class SingleStreamBlock(nnx.Module):
             attn = self.attn(h, rotary, implementation, projections=(q, k, v))
         else:
             mlp, attn = self.proj_mlp(h), self.attn(h, rotary, implementation)
-        return x + gate * self.proj_out(jnp.concatenate([attn, jax.nn.gelu(mlp, approximate=True)], axis=-1))
+        return self.proj_out.gated_residual(jnp.concatenate([attn, jax.nn.gelu(mlp, approximate=True)], axis=-1), x,
+                                            gate)
 
 
 class FinalNorm(nnx.Module):

@@ -190,6 +190,15 @@ class Linear(nnx.Module):
         return y
 
 
+    def activated(self, x: jax.Array, activation: str) -> jax.Array:
+        """`activation(self(x))` ("gelu_tanh" or "silu"); with a kernel weight (and no adapter), inside the GEMM's
+        epilogue in float32, so the pre-activation product is never written out and read back."""
+        weight = self.weight.get_value()
+        if (isinstance(x, FP8Activations) or _is_gemm_weight(weight)) and self.lora is None:
+            return _kernel_matmul(x, weight, None if self.bias is None else self.bias[...], activation=activation)
+        y = self(x)
+        return jax.nn.gelu(y, approximate=True) if activation == "gelu_tanh" else jax.nn.silu(y)
+
     def swiglu(self, x: jax.Array) -> jax.Array:
         """`silu(gate) * up` (..., out_features / 2) for a Linear that `stacked_linear(..., swiglu=True)` made from
         SwiGLU's gate and up: with a paired kernel weight, inside the GEMM's epilogue (the stacked product is never

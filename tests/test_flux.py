@@ -192,3 +192,27 @@ def test_stacked_projections_give_the_same_output(tiny, reference, precision):
         quantize_linear_layers(after, flux_rules(precision), kernels=True)
         for a, b in zip(jax.tree.leaves(nnx.state(stacked)), jax.tree.leaves(nnx.state(after)), strict=True):
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.parametrize("stack", [False, True])
+def test_fp8_kernel_weights_compute_the_simulated_quantization(tiny, reference, stack):
+    """FP8 weights through the GEMM path (GELU and the gated residuals in the epilogues, projections stacked or not)
+    equal the simulation of the same quantization in float32 (weights quantized and dequantized, inputs quantized per
+    token): only the summation order differs. And it stays close to the unquantized output."""
+    from flax import nnx
+
+    from mxdit.model.flux import stack_projections
+    from mxdit.model.layers import quantize_linear_layers
+    from mxdit.model.quality import quantize_activations, with_params
+    from mxdit.quant.model import dequantize_model, flux_rules, quantize_model
+
+    rules = flux_rules("fp8_e4m3")
+    kernels = nnx.clone(tiny)
+    assert quantize_linear_layers(kernels, rules, kernels=True)
+    if stack:
+        stack_projections(kernels)
+    simulated = quantize_activations(with_params(tiny, dequantize_model(quantize_model(dict(iter_params(tiny)), rules),
+                                                                        jnp.float32)), rules)
+    out, sim = (np.asarray(jax.jit(lambda r, m=m: run(m, r))(reference)) for m in (kernels, simulated))
+    assert relative_l2(out, sim) <= 1e-5
+    assert relative_l2(out, reference["output"]) <= 0.05
