@@ -138,7 +138,8 @@ def fp8_input_backend(*layers: "Linear") -> str | None:
 
 def fused_fp8_producer(name: str, backend: str):
     """`pallas_kernels.activations.<name>` ("modulated_rms_norm_fp8", "swiglu_fp8", "tokens_fp8",
-    "sigmoid_gated_fp8") for `backend`: the kernel under its own jit on the GPU (see `_jitted_kernel`), the jnp reference elsewhere."""
+    "sigmoid_gated_fp8") for `backend`: the kernel under its own jit on the GPU (see `_jitted_kernel`), the jnp
+    reference elsewhere."""
     if backend == "triton":
         return functools.partial(_jitted_kernel(name), backend="triton")
     from mxdit.pallas_kernels import activations
@@ -188,7 +189,6 @@ class Linear(nnx.Module):
         if self.lora is not None:
             y = self.lora(x, y)
         return y
-
 
     def activated(self, x: jax.Array, activation: str) -> jax.Array:
         """`activation(self(x))` ("gelu_tanh" or "silu"); with a kernel weight (and no adapter), inside the GEMM's

@@ -653,10 +653,10 @@ def _rms_rope_quantize(x, weight, eps, cos_half, sin_half, mean, lengths, multip
         bi, si = pl.program_id(0), pl.program_id(1)
         per_head = (slice(None), None) if group > 1 else (slice(None),)  # broadcasts a token's value over heads
 
-        def load(ref, start, stride=1):
-            return ref[(slice(None), *heads_axis, pl.ds(start, half, stride=stride))].astype(jnp.float32)
+        def channels(start):  # every other channel from `start`: (block, [group,] half)
+            return x_ref[(slice(None), *heads_axis, pl.ds(start, half, stride=2))].astype(jnp.float32)
 
-        even, odd = load(x_ref, 0, 2), load(x_ref, 1, 2)  # the real and the imaginary parts
+        even, odd = channels(0), channels(1)  # the real and the imaginary parts
         inv = jax.lax.rsqrt((jnp.sum(even * even, axis=-1) + jnp.sum(odd * odd, axis=-1)) / d + eps)[..., None]
         even = even * inv * we_ref[...]
         odd = odd * inv * wo_ref[...]
