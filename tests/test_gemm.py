@@ -111,13 +111,14 @@ def test_mosaic_residual_epilogue_with_large_tiles_and_prefetch(config):
     assert relative_l2(np.asarray(y), np.asarray(ref)) < 1e-6
 
 
-@pytest.mark.parametrize("backend,config", [
-    ("mosaic", gemm.MosaicConfig(64, 128, 2)),
-    ("mosaic", gemm.default_mosaic_config(4224, 6144, 32768, False)),  # 64 x 256 tiles: two pairs a tile
-    ("triton", SMALL_TRITON),
-    ("reference", None),
-], ids=["mosaic-128", "mosaic-default-M4224", "triton", "reference"])
-def test_swiglu_epilogue_is_swiglu_of_the_stacked_product(backend, config):
+@pytest.mark.parametrize("backend,config,scaling", [
+    ("mosaic", gemm.MosaicConfig(64, 128, 2), "token"),
+    ("mosaic", gemm.MosaicConfig(64, 128, 2), "block"),  # the promoting main loop
+    ("mosaic", gemm.default_mosaic_config(4224, 6144, 32768, False), "token"),  # 64 x 256 tiles: two pairs a tile
+    ("triton", SMALL_TRITON, "token"),
+    ("reference", None, "token"),
+], ids=["mosaic-128", "mosaic-128-x-blocks", "mosaic-default-M4224", "triton", "reference"])
+def test_swiglu_epilogue_is_swiglu_of_the_stacked_product(backend, config, scaling):
     """`activation="swiglu"` on a `swiglu_weight` gives what the model computes from gate and up stacked plainly
     (`activations.swiglu` of the bf16 product): the kernel against the definition exactly (float32 output), the
     definition against the unfused product in bf16."""
@@ -129,7 +130,7 @@ def test_swiglu_epilogue_is_swiglu_of_the_stacked_product(backend, config):
     paired = gemm.swiglu_weight(gate, up)
     bias = jax.random.normal(jax.random.key(12), (2 * h,))
     paired_bias = bias.reshape(2, h // gemm.SWIGLU_WIDTH, -1).swapaxes(0, 1).reshape(-1)
-    xq, xs = gemm.quantize_activations(x, "token")
+    xq, xs = gemm.quantize_activations(x, scaling)
     kw = dict(backend=backend, interpret=True) | ({"config": config} if config else {})
     y32 = gemm.scaled_matmul(xq, paired, xs, bias=paired_bias, activation="swiglu", out_dtype=jnp.float32, **kw)
     ref32 = gemm.scaled_matmul_reference(xq, xs, paired, bias=paired_bias, activation="swiglu", out_dtype=jnp.float32)
