@@ -159,9 +159,11 @@ class Attention(nnx.Module):
         shape = (*q.shape[:2], self.heads, self.head_dim)
         return norm_q(q.reshape(shape)), norm_k(k.reshape(shape)), v.reshape(shape)
 
-    def __call__(self, x, rotary, implementation: AttentionImpl, context=None, projections=None):
+    def __call__(self, x, rotary, implementation: AttentionImpl, context=None, projections=None, residuals=None):
         """x: (batch, seq, dim) image (or joint, in single blocks); context: (batch, text, dim) for double blocks;
-        `projections`: x's (q, k, v) computed already (a single block's stacked product)."""
+        `projections`: x's (q, k, v) computed already (a single block's stacked product). `residuals` (double
+        blocks): ((image residual, gate), (text residual, gate)): each output is `residual + gate * that`, in the
+        output projections' epilogues with kernel weights (`Linear.gated_residual`)."""
         q, k, v = projections or self._projections(x, self.to_qkv, self.to_q, self.to_k, self.to_v)
         q, k, v = self._heads(q, k, v, self.norm_q, self.norm_k)
         if context is not None:
@@ -174,6 +176,10 @@ class Attention(nnx.Module):
         if context is None:
             return out
         text = context.shape[1]
+        if residuals is not None:
+            (image, gate), (text_residual, text_gate) = residuals
+            return (self.to_out[0].gated_residual(out[:, text:], image, gate),
+                    self.to_add_out.gated_residual(out[:, :text], text_residual, text_gate))
         return self.to_out[0](out[:, text:]), self.to_add_out(out[:, :text])
 
 
@@ -223,11 +229,10 @@ class DoubleStreamBlock(nnx.Module):
     def __call__(self, x, context, temb, rotary, implementation):
         shift, scale, gate, shift_mlp, scale_mlp, gate_mlp = self.norm1(temb)
         c_shift, c_scale, c_gate, c_shift_mlp, c_scale_mlp, c_gate_mlp = self.norm1_context(temb)
-        attn, context_attn = self.attn(layer_norm(x) * (1 + scale) + shift, rotary, implementation,
-                                       context=layer_norm(context) * (1 + c_scale) + c_shift)
-        x = x + gate * attn
+        x, context = self.attn(layer_norm(x) * (1 + scale) + shift, rotary, implementation,
+                               context=layer_norm(context) * (1 + c_scale) + c_shift,
+                               residuals=((x, gate), (context, c_gate)))
         x = self.ff(layer_norm(x) * (1 + scale_mlp) + shift_mlp, residual=x, residual_gate=gate_mlp)
-        context = context + c_gate * context_attn
         context = self.ff_context(layer_norm(context) * (1 + c_scale_mlp) + c_shift_mlp, residual=context,
                                   residual_gate=c_gate_mlp)
         return x, context
