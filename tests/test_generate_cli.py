@@ -191,11 +191,13 @@ def test_offload_streams_blocks(tmp_path, capsys):
     # FLUX.1: the last single block streamed (the 2 double and the first single resident), the same image
     flux = ["--model", str(FIXTURES / "flux" / "tiny_pipeline"), "--prompt", "a red fox", "--height", "64", "--width",
             "80", "--steps", "2", "--dtype", "fp32", "--max-sequence-length", "16"]
-    for extra, name in ((["--offload", "3"], "fo.png"), ([], "f.png")):
+    for extra, name in ((["--offload", "3"], "fo.png"), ([], "f.png"), (["--offload", "2", "--precision", "fp8"],
+                                                                         "fo8.png"), (["--precision", "fp8"], "f8.png")):
         code, captured = run(flux + extra + ["--output", str(tmp_path / name)], capsys)
         assert code == 0, captured.err
-    streamed, resident = (np.asarray(Image.open(tmp_path / f), np.int16) for f in ("fo.png", "f.png"))
-    np.testing.assert_array_equal(streamed, resident)
+    for pair in (("fo.png", "f.png"), ("fo8.png", "f8.png")):  # FP8: GELU and the gated residuals in the epilogues
+        streamed, resident = (np.asarray(Image.open(tmp_path / f), np.int16) for f in pair)
+        np.testing.assert_array_equal(streamed, resident)
 
 
 def test_device_out_of_memory_is_one_line_with_what_would_fit(tmp_path, capsys, monkeypatch):
