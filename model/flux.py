@@ -16,8 +16,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from .layers import (Linear, apply_rotary, attention, attention_implementation, remat_call, rotary_tables,
-                     stacked_linear)
+from .layers import (FP8Activations, Linear, apply_rotary, attention, attention_implementation, fp8_input_backend,
+                     fused_fp8_producer, remat_call, rotary_tables, stacked_linear)
 from .loading import (CheckpointError, DerivedCheckpoint, config_from_dict, load_state, open_checkpoint, read_json)
 
 AttentionImpl = str  # "xla" or "cudnn"
@@ -54,6 +54,16 @@ def layer_norm(x: jax.Array, eps: float = 1e-6) -> jax.Array:
     mean = jnp.mean(x32, axis=-1, keepdims=True)
     var = jnp.mean(jnp.square(x32 - mean), axis=-1, keepdims=True)
     return ((x32 - mean) * jax.lax.rsqrt(var + eps)).astype(x.dtype)
+
+
+def _adaptive_norm(x, scale, shift, consumers: list[Linear]):
+    """`layer_norm(x) * (1 + scale) + shift`; for layers that multiply FP8 activations, quantized in the same pass
+    (pallas_kernels/activations.py), so the modulated tensor is never written out in x's dtype."""
+    backend = fp8_input_backend(*consumers)
+    if backend is None:
+        return layer_norm(x) * (1 + scale) + shift
+    values, scales = fused_fp8_producer("modulated_layer_norm_fp8", backend)(x, scale, shift, eps=1e-6)
+    return FP8Activations(values, scales, x.dtype)
 
 
 class RMSNorm(nnx.Module):
@@ -150,6 +160,12 @@ class Attention(nnx.Module):
             self.add_qkv, self.add_q_proj, self.add_k_proj, self.add_v_proj, stacked = qkv, None, None, None, True
         return stacked
 
+    def input_layers(self, context: bool = False) -> list[Linear]:
+        """The layers that take the image (or joint) input, or with `context` the text input."""
+        if context:
+            return [self.add_qkv] if self.add_qkv is not None else [self.add_q_proj, self.add_k_proj, self.add_v_proj]
+        return [self.to_qkv] if self.to_qkv is not None else [self.to_q, self.to_k, self.to_v]
+
     def _projections(self, x, stacked, q_proj, k_proj, v_proj):
         if stacked is not None:
             return jnp.split(stacked(x), 3, axis=-1)
@@ -229,12 +245,13 @@ class DoubleStreamBlock(nnx.Module):
     def __call__(self, x, context, temb, rotary, implementation):
         shift, scale, gate, shift_mlp, scale_mlp, gate_mlp = self.norm1(temb)
         c_shift, c_scale, c_gate, c_shift_mlp, c_scale_mlp, c_gate_mlp = self.norm1_context(temb)
-        x, context = self.attn(layer_norm(x) * (1 + scale) + shift, rotary, implementation,
-                               context=layer_norm(context) * (1 + c_scale) + c_shift,
+        x, context = self.attn(_adaptive_norm(x, scale, shift, self.attn.input_layers()), rotary, implementation,
+                               context=_adaptive_norm(context, c_scale, c_shift, self.attn.input_layers(context=True)),
                                residuals=((x, gate), (context, c_gate)))
-        x = self.ff(layer_norm(x) * (1 + scale_mlp) + shift_mlp, residual=x, residual_gate=gate_mlp)
-        context = self.ff_context(layer_norm(context) * (1 + c_scale_mlp) + c_shift_mlp, residual=context,
-                                  residual_gate=c_gate_mlp)
+        x = self.ff(_adaptive_norm(x, scale_mlp, shift_mlp, [self.ff.net[0].proj]), residual=x,
+                    residual_gate=gate_mlp)
+        context = self.ff_context(_adaptive_norm(context, c_scale_mlp, c_shift_mlp, [self.ff_context.net[0].proj]),
+                                  residual=context, residual_gate=c_gate_mlp)
         return x, context
 
 
@@ -262,7 +279,8 @@ class SingleStreamBlock(nnx.Module):
 
     def __call__(self, x, temb, rotary, implementation):
         shift, scale, gate = self.norm(temb)
-        h = layer_norm(x) * (1 + scale) + shift
+        consumers = [self.qkv_mlp] if self.qkv_mlp is not None else [*self.attn.input_layers(), self.proj_mlp]
+        h = _adaptive_norm(x, scale, shift, consumers)
         if self.qkv_mlp is not None:
             dim = x.shape[-1]
             q, k, v, mlp = jnp.split(self.qkv_mlp(h), [dim, 2 * dim, 3 * dim], axis=-1)

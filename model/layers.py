@@ -137,8 +137,8 @@ def fp8_input_backend(*layers: "Linear") -> str | None:
 
 
 def fused_fp8_producer(name: str, backend: str):
-    """`pallas_kernels.activations.<name>` ("modulated_rms_norm_fp8", "swiglu_fp8", "tokens_fp8",
-    "sigmoid_gated_fp8") for `backend`: the kernel under its own jit on the GPU (see `_jitted_kernel`), the jnp
+    """`pallas_kernels.activations.<name>` ("modulated_rms_norm_fp8", "modulated_layer_norm_fp8", "swiglu_fp8",
+    "tokens_fp8", "sigmoid_gated_fp8") for `backend`: the kernel under its own jit on the GPU (see `_jitted_kernel`), the jnp
     reference elsewhere."""
     if backend == "triton":
         return functools.partial(_jitted_kernel(name), backend="triton")
@@ -310,6 +310,7 @@ def _jitted_kernel(name: str):
         "int8_attention": (attention_kernels.int8_attention, ("pv", "block_q", "block_k", "scale", "interpret",
                                                               "num_warps", "num_stages", "backend", "out_dtype")),
         "modulated_rms_norm_fp8": (activations.modulated_rms_norm_fp8, ("eps", "backend", "interpret")),
+        "modulated_layer_norm_fp8": (activations.modulated_layer_norm_fp8, ("eps", "backend", "interpret")),
         "swiglu_fp8": (activations.swiglu_fp8, ("backend", "interpret")),
         "tokens_fp8": (activations.tokens_fp8, ("backend", "interpret")),
         "sigmoid_gated_fp8": (activations.sigmoid_gated_fp8, ("gate_offset", "backend", "interpret")),

@@ -6,7 +6,8 @@ values) after the producer wrote them: on a Krea 2 block at 4224 tokens the prof
 modulation + quantization and ~225 us for SwiGLU + quantization (NOTES.md, session 5), several passes over tensors of
 52-277 MB. Here each row is read once, kept in registers, and written once as FP8:
 
-- `modulated_rms_norm_fp8`: `(1 + scale) * rmsnorm(x) + shift` (the DiT's adaptive norm before attention and SwiGLU).
+- `modulated_rms_norm_fp8`: `(1 + scale) * rmsnorm(x) + shift` (the DiT's adaptive norm before attention and SwiGLU);
+  `modulated_layer_norm_fp8`: FLUX.1's, with LayerNorm.
 - `swiglu_fp8`: `silu(gate) * up` from the stacked gate/up product (the input of SwiGLU's down projection).
 - `tokens_fp8`: a tensor as it is (SwiGLU's output where the GEMM epilogue computed it).
 - `sigmoid_gated_fp8`: `out * sigmoid(gate)`, the attention output under its gate (the input of the output
@@ -64,6 +65,15 @@ def modulated_rms_norm(x, norm_weight, scale, shift, eps: float):
     return (1.0 + scale) * norm + shift
 
 
+def modulated_layer_norm(x, scale, shift, eps: float):
+    """FLUX.1's adaptive norm: LayerNorm without weight or bias in float32, cast to x's dtype, then
+    `norm * (1 + scale) + shift` in x's dtype (`flux.layer_norm`'s arithmetic). Shapes as `modulated_rms_norm`."""
+    x32 = x.astype(jnp.float32)
+    centered = x32 - jnp.mean(x32, axis=-1, keepdims=True)
+    norm = (centered * jax.lax.rsqrt(jnp.mean(centered * centered, axis=-1, keepdims=True) + eps)).astype(x.dtype)
+    return norm * (1 + scale) + shift
+
+
 def swiglu(gate_up: jax.Array) -> jax.Array:
     """`silu(gate) * up` of the stacked product [gate | up] along the last axis, rounded to its dtype after silu and
     after the product, each computed in float32: PyTorch's arithmetic for bf16 tensors (diffusers' model). XLA's bf16
@@ -95,28 +105,51 @@ def modulated_rms_norm_fp8(x, norm_weight, scale, shift, eps: float, *, backend:
     """`modulated_rms_norm` quantized to FP8 E4M3 per token: (values (batch, seq, d'), scales (batch, seq) float32),
     d' = d padded to a multiple of 128 with zeros (as `gemm.quantize_activations` gives the GEMM its input).
     x (batch, seq, d) in a 16- or 32-bit float; norm_weight (d,); scale, shift (batch, 1, d) or (1, 1, d)."""
-    b, s, d = x.shape
-    scale = jnp.broadcast_to(scale, (b, 1, d))
-    shift = jnp.broadcast_to(shift, (b, 1, d))
     if backend == "reference":
-        return _quantized_rows(modulated_rms_norm(x, norm_weight, scale, shift, eps))
+        return _quantized_rows(modulated_rms_norm(x, norm_weight, *_modulation(x, scale, shift), eps))
+    return _modulated_norm_fp8("modulated_rms_norm_fp8", x, norm_weight, scale, shift, eps, False, backend, interpret)
+
+
+def modulated_layer_norm_fp8(x, scale, shift, eps: float, *, backend: str = "triton",
+                             interpret: bool = False) -> tuple[jax.Array, jax.Array]:
+    """`modulated_layer_norm` (FLUX.1) quantized to FP8 E4M3 per token; arguments and results as
+    `modulated_rms_norm_fp8`'s, without a norm weight."""
+    if backend == "reference":
+        return _quantized_rows(modulated_layer_norm(x, *_modulation(x, scale, shift), eps))
+    return _modulated_norm_fp8("modulated_layer_norm_fp8", x, None, scale, shift, eps, True, backend, interpret)
+
+
+def _modulation(x, scale, shift):
+    b, _, d = x.shape
+    return jnp.broadcast_to(scale, (b, 1, d)), jnp.broadcast_to(shift, (b, 1, d))
+
+
+def _modulated_norm_fp8(name, x, norm_weight, scale, shift, eps, centered: bool, backend, interpret):
+    """The kernel of both adaptive norms: a row's mean subtracted first (`centered`: LayerNorm) or not (RMSNorm),
+    scaled by `1 + norm_weight` (none: 1), modulated, quantized."""
     _check_backend(backend)
     from jax.experimental import pallas as pl
 
+    b, s, d = x.shape
+    scale, shift = _modulation(x, scale, shift)
     c, dtype = _chunk(d), x.dtype
     n_chunks = d // c
-    weight = (1.0 + norm_weight.astype(jnp.float32)).reshape(1, d)
+    weight = jnp.ones((1, d), jnp.float32) if norm_weight is None else (1.0 + norm_weight.astype(jnp.float32))
+    weight = weight.reshape(1, d)
     # 1 + scale as the model rounds it (in x's dtype), once here instead of in every row
     one_plus = (1.0 + scale).astype(dtype).reshape(b, d)
     shift = shift.reshape(b, d)
 
     def kernel(x_ref, w_ref, a_ref, sh_ref, q_ref, s_ref):
         chunks = [x_ref[:, pl.ds(i * c, c)].astype(jnp.float32) for i in range(n_chunks)]  # (1, c) each
+        if centered:
+            mean = sum(jnp.sum(v) for v in chunks) / d
+            chunks = [v - mean for v in chunks]
         ss = sum(jnp.sum(v * v) for v in chunks)
         inv = jax.lax.rsqrt(ss / d + eps)
         ys, amax = [], jnp.float32(0.0)
         for i, v in enumerate(chunks):
-            norm = _round(v * inv * w_ref[:, pl.ds(i * c, c)], dtype)
+            norm = _round(v * inv if norm_weight is None else v * inv * w_ref[:, pl.ds(i * c, c)], dtype)
             y = _round(a_ref[:, pl.ds(i * c, c)].astype(jnp.float32) * norm, dtype)
             y = _round(y + sh_ref[:, pl.ds(i * c, c)].astype(jnp.float32), dtype)
             ys.append(y)
@@ -124,7 +157,7 @@ def modulated_rms_norm_fp8(x, norm_weight, scale, shift, eps: float, *, backend:
         _store_fp8_row(ys, amax, c, q_ref, s_ref)
 
     specs = [_row_spec(d), _vec_spec(d, batched=False), _vec_spec(d), _vec_spec(d)]
-    return _row_call("modulated_rms_norm_fp8", kernel, b, s, d, interpret, specs, x, weight, one_plus, shift)
+    return _row_call(name, kernel, b, s, d, interpret, specs, x, weight, one_plus, shift)
 
 
 def swiglu_fp8(gate_up: jax.Array, *, backend: str = "triton", interpret: bool = False) -> tuple[jax.Array, jax.Array]:

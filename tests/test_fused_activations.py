@@ -56,6 +56,22 @@ def test_modulated_norm_reference_is_the_models_arithmetic():
           (values.reshape(2, 5, 128), scales.reshape(2, 5)))
 
 
+@pytest.mark.parametrize("d, dtype", [(96, jnp.bfloat16), (256, jnp.bfloat16), (96, jnp.float32)])
+def test_modulated_layer_norm_kernel_equals_reference(d, dtype):
+    """FLUX.1's adaptive norm (LayerNorm, no weight): the kernel's values and scales against the reference, which is
+    FLUX.1's own composition quantized by `quantize_activations`, bit for bit."""
+    from mxdit.model.flux import layer_norm
+
+    x, _, scale, shift = _inputs(d, dtype)
+    x = x + 2.0  # a row mean for the centring to matter
+    kernel = A.modulated_layer_norm_fp8(x, scale, shift, 1e-6, interpret=True)
+    reference = A.modulated_layer_norm_fp8(x, scale, shift, 1e-6, backend="reference")
+    _same(kernel, reference, exact=dtype == jnp.bfloat16)
+    model = layer_norm(x) * (1 + scale) + shift
+    values, scales = quantize_activations(model.reshape(-1, d))
+    _same(reference, (values.reshape(2, 5, -1), scales.reshape(2, 5)))
+
+
 @pytest.mark.parametrize("h", [64, 96])
 def test_swiglu_kernel_equals_reference(h):
     gate_up = (jax.random.normal(jax.random.key(h), (2, 5, 2 * h)) * 3).astype(jnp.bfloat16)
