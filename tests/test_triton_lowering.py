@@ -1,0 +1,78 @@
+"""Every Triton-lowered kernel lowers for an H100/H200-class GPU (compute capability 9.0) on the CPU: Pallas'
+lowering to Triton IR runs in Python, so unsupported operations, block shapes and indexing show up here rather than
+in scarce GPU time (as `test_mosaic_kernel_lowers_for_the_gpu` does for the Mosaic kernels). Not checked: Triton's
+own compilation to PTX, and speed."""
+
+import types
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from mxdit.pallas_kernels import activations as A
+from mxdit.pallas_kernels import attention, gemm
+
+
+@pytest.fixture(autouse=True)
+def hopper(monkeypatch):
+    """The Triton lowering asks the local GPU for its compute capability; this machine has none."""
+    from jax._src.pallas.triton import pallas_call_registration
+
+    monkeypatch.setattr(pallas_call_registration.gpu_info_lib, "get_gpu_info",
+                        lambda: types.SimpleNamespace(compute_capability=90))
+
+
+def lowers(fn, *shapes):
+    text = jax.jit(fn).trace(*(jax.ShapeDtypeStruct(s, d) for s, d in shapes)).lower(
+        lowering_platforms=("cuda",)).as_text()
+    return "xla.gpu.triton" in text
+
+
+BF16, F32 = jnp.bfloat16, jnp.float32
+ROWS = (1, 64, 256)
+
+
+@pytest.mark.parametrize("name", ["modulated_rms_norm_fp8", "modulated_layer_norm_fp8", "swiglu_fp8", "tokens_fp8",
+                                  "sigmoid_gated_fp8"])
+def test_fused_fp8_producers_lower(name):
+    calls = {
+        "modulated_rms_norm_fp8": (lambda x, w, a, s: A.modulated_rms_norm_fp8(x, w, a, s, 1e-6),
+                                   (ROWS, BF16), ((256,), F32), ((1, 1, 256), BF16), ((1, 1, 256), BF16)),
+        "modulated_layer_norm_fp8": (lambda x, a, s: A.modulated_layer_norm_fp8(x, a, s, 1e-6),
+                                     (ROWS, BF16), ((1, 1, 256), BF16), ((1, 1, 256), BF16)),
+        "swiglu_fp8": (A.swiglu_fp8, ((1, 64, 512), BF16)),
+        "tokens_fp8": (A.tokens_fp8, (ROWS, BF16)),
+        "sigmoid_gated_fp8": (lambda o, s: A.sigmoid_gated_fp8(o, s, gate_offset=512), (ROWS, BF16),
+                              ((1, 64, 1024), BF16)),
+    }
+    fn, *shapes = calls[name]
+    assert lowers(fn, *shapes)
+
+
+@pytest.mark.parametrize("heads_per_program", [1, 2, 4])
+def test_qk_prologue_lowers_with_heads_grouped(heads_per_program):
+    """Krea 2's layout (48 query and 12 KV heads in one stacked product), the masked keys read after the queries."""
+    def prologue(x, norms, cos, sin, lengths):
+        return attention.int8_qk_prologue_stacked(x, 48, 12, norms[0], norms[1], 1e-6, cos, sin, lengths,
+                                                  scale=128**-0.5, block_q=64, block_k=128,
+                                                  heads_per_program=heads_per_program)
+
+    assert lowers(prologue, ((1, 256, 120, 128), BF16), ((2, 128), F32), ((256, 128), F32), ((256, 128), F32),
+                  ((1,), jnp.int32))
+
+
+def test_int8_attention_triton_kernel_lowers():
+    q, kv = ((1, 256, 4, 64), BF16), ((1, 256, 2, 64), BF16)
+    assert lowers(lambda q, k, v, n: attention.int8_attention(q, k, v, kv_lengths=n, backend="triton"), q, kv, kv,
+                  ((1,), jnp.int32))
+
+
+@pytest.mark.parametrize("fmt, activation", [("fp8_e4m3", "none"), ("fp8_e4m3", "swiglu"), ("mxfp4_e2m1", "none"),
+                                             ("mxfp6_e2m3", "none"), ("int8", "none")])
+def test_triton_gemm_lowers(fmt, activation):
+    w = jax.random.normal(jax.random.key(0), (256, 256), F32) * 0.05
+    if activation == "swiglu":
+        weight = gemm.swiglu_weight(*(gemm.prepare_weight(half, fmt, backend="triton") for half in (w[:128], w[128:])))
+    else:
+        weight = gemm.prepare_weight(w, fmt, backend="triton")
+    assert lowers(lambda x: gemm.scaled_matmul(x, weight, activation=activation, backend="triton"), ((128, 256), BF16))
