@@ -164,6 +164,34 @@ def test_swiglu_weight_is_only_taken_by_the_swiglu_epilogue():
         gemm.swiglu_weight(*mx)
 
 
+@pytest.mark.parametrize("fmt, scaling, epilogue, m", [
+    ("fp8_e4m3", "token", "none", 4224),  # 64 x 256 tiles, 128-wide output slices
+    ("fp8_e4m3", "token", "residual", 4224),  # the residual prefetched
+    ("fp8_e4m3", "token", "swiglu", 4224),
+    ("fp8_e4m3", "block", "swiglu", 4224),  # three warpgroups promoting, then SwiGLU
+    ("mxfp4_e2m1", "token", "none", 4224),
+    ("fp8_e4m3", "token", "gelu", 4608),  # 128 x 128 tiles
+])
+def test_mosaic_kernel_lowers_for_the_gpu(monkeypatch, fmt, scaling, epilogue, m):
+    """Mosaic GPU's own lowering (layouts, wgmma operands, TMA slices) runs in Python, so the CPU can check that the
+    default configurations and epilogues lower, beyond what the interpreter runs. Not checked: ptxas, and speed."""
+    monkeypatch.setattr(gemm, "_num_sms", lambda: 132)  # an H200's
+    k, n = 256, 512
+    w = jax.random.normal(jax.random.key(0), (n, k), jnp.float32) * k**-0.5
+    if epilogue == "swiglu":
+        weight = gemm.swiglu_weight(*(gemm.prepare_weight(half, fmt) for half in (w[: n // 2], w[n // 2:])))
+    else:
+        weight = gemm.prepare_weight(w, fmt)
+    extra = {"residual": jnp.zeros((m, n), jnp.bfloat16), "gate": jnp.ones((n,))} if epilogue == "residual" else {}
+    activation = {"swiglu": "swiglu", "gelu": "gelu_tanh"}.get(epilogue, "none")
+
+    def product(x):
+        return gemm.scaled_matmul(x, weight, x_scaling=scaling, activation=activation, backend="mosaic", **extra)
+
+    lowered = jax.jit(product).trace(jax.ShapeDtypeStruct((m, k), jnp.bfloat16)).lower(lowering_platforms=("cuda",))
+    assert "mosaic_gpu" in lowered.as_text()
+
+
 def test_fast_activation_quantizer_gives_the_bits_of_quant_formats():
     x, _ = _operands(4, k=384)
     x = x * jnp.exp(3 * jax.random.normal(jax.random.key(5), x.shape))  # a wide dynamic range
