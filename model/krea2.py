@@ -204,7 +204,7 @@ class SwiGLU(nnx.Module):
         """With `residual` and `residual_gate`: `residual + residual_gate * swiglu(x)` (see `Attention`)."""
         backend = fp8_input_backend(self.down)
         paired = self.gate_up is not None and getattr(self.gate_up.weight.get_value(), "swiglu_width", 0)
-        if paired:  # SwiGLU in the gate/up GEMM's epilogue (`stacked_linear`), then one quantizing pass
+        if paired:  # SwiGLU in the gate/up GEMM's epilogue (`Linear.swiglu`), then one quantizing pass
             hidden = self.gate_up.swiglu(x)
             if backend is not None:
                 hidden = FP8Activations(*fused_fp8_producer("tokens_fp8", backend)(hidden), hidden.dtype)

@@ -138,8 +138,8 @@ def fp8_input_backend(*layers: "Linear") -> str | None:
 
 def fused_fp8_producer(name: str, backend: str):
     """`pallas_kernels.activations.<name>` ("modulated_rms_norm_fp8", "modulated_layer_norm_fp8", "swiglu_fp8",
-    "tokens_fp8", "sigmoid_gated_fp8") for `backend`: the kernel under its own jit on the GPU (see `_jitted_kernel`), the jnp
-    reference elsewhere."""
+    "tokens_fp8", "sigmoid_gated_fp8") for `backend`: the kernel under its own jit on the GPU (see
+    `_jitted_kernel`), the jnp reference elsewhere."""
     if backend == "triton":
         return functools.partial(_jitted_kernel(name), backend="triton")
     from mxdit.pallas_kernels import activations
@@ -193,22 +193,18 @@ class Linear(nnx.Module):
     def activated(self, x: jax.Array, activation: str) -> jax.Array:
         """`activation(self(x))` ("gelu_tanh" or "silu"); with a kernel weight (and no adapter), inside the GEMM's
         epilogue in float32, so the pre-activation product is never written out and read back."""
+        function = {"gelu_tanh": functools.partial(jax.nn.gelu, approximate=True), "silu": jax.nn.silu}[activation]
         weight = self.weight.get_value()
         if (isinstance(x, FP8Activations) or _is_gemm_weight(weight)) and self.lora is None:
             return _kernel_matmul(x, weight, None if self.bias is None else self.bias[...], activation=activation)
-        y = self(x)
-        return jax.nn.gelu(y, approximate=True) if activation == "gelu_tanh" else jax.nn.silu(y)
+        return function(self(x))
 
     def swiglu(self, x: jax.Array) -> jax.Array:
-        """`silu(gate) * up` (..., out_features / 2) for a Linear that `stacked_linear(..., swiglu=True)` made from
-        SwiGLU's gate and up: with a paired kernel weight, inside the GEMM's epilogue (the stacked product is never
-        written out); else from the stacked product, as `pallas_kernels.activations.swiglu` rounds it."""
-        weight = self.weight.get_value()
-        if _is_gemm_weight(weight) and weight.swiglu_width:
-            return _kernel_matmul(x, weight, None if self.bias is None else self.bias[...], activation="swiglu")
-        from mxdit.pallas_kernels.activations import swiglu
-
-        return swiglu(self(x))
+        """`silu(gate) * up` (..., out_features / 2) inside the GEMM's epilogue, for a Linear whose weight is a
+        `gemm.swiglu_weight` (`stacked_linear(..., swiglu=True)` makes one from SwiGLU's gate and up): the stacked
+        product is never written out."""
+        return _kernel_matmul(x, self.weight.get_value(), None if self.bias is None else self.bias[...],
+                              activation="swiglu")
 
     def gated_residual(self, x: jax.Array, residual: jax.Array, gate: jax.Array) -> jax.Array:
         """`residual + gate * self(x)`, the DiT's gated residual: x (batch, seq, in), residual (batch, seq, out), gate

@@ -155,14 +155,14 @@ def swiglu_weight(gate: GemmWeight, up: GemmWeight, width: int = SWIGLU_WIDTH) -
 
 
 def swiglu_pairs(y: jax.Array, width: int, dtype) -> jax.Array:
-    """`silu(gate) * up` of a product (..., 2h) by a `swiglu_weight`, rounded as the unfused model computes it from
-    the product in `dtype`: the product rounded, silu rounded, then the product of the two (float32 arithmetic, as
-    `activations.swiglu`). Returns (..., h) in float32 (rounded to `dtype`)."""
+    """`silu(gate) * up` of a product (..., 2h) by a `swiglu_weight`: its pairs put back in [gate | up] order, then
+    `activations.swiglu` of it in `dtype` (the unfused model's roundings). Returns (..., h) in float32 (rounded to
+    `dtype`)."""
+    from .activations import swiglu  # activations imports this module
+
     lead, n = y.shape[:-1], y.shape[-1]
-    pairs = y.astype(jnp.float32).reshape(*lead, n // (2 * width), 2, width)
-    g, u = (pairs[..., i, :].reshape(*lead, n // 2).astype(dtype).astype(jnp.float32) for i in (0, 1))
-    silu = (g * jax.nn.sigmoid(g)).astype(dtype).astype(jnp.float32)
-    return (silu * u).astype(dtype).astype(jnp.float32)
+    gate_up = y.reshape(*lead, n // (2 * width), 2, width).swapaxes(-3, -2).reshape(*lead, n)
+    return swiglu(gate_up.astype(dtype)).astype(jnp.float32)
 
 
 def _e8m0_exponents(scale: jax.Array) -> jax.Array:

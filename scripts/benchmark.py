@@ -239,14 +239,8 @@ def _streamed_block_times(streamed, *inputs, repeats: int = 5) -> dict:
     on_device = streamed.stream.on_device
     state = streamed.block_states[0] if streamed.stream.resident else jax.device_put(host, on_device)
 
-    def median_ms(fn):
-        jax.block_until_ready(fn())
-        times = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            jax.block_until_ready(fn())
-            times.append(time.perf_counter() - t0)
-        return statistics.median(times) * 1e3
+    def median_ms(fn):  # one call after a warm-up call, median of `repeats`
+        return _timed(lambda n: jax.block_until_ready([fn() for _ in range(n)]), 1, repeats)["s_per_step"] * 1e3
 
     copy_ms = median_ms(lambda: jax.device_put(host, on_device))
     gb = sum(leaf.nbytes for leaf in jax.tree.leaves(host)) / 1e9
