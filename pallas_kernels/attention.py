@@ -573,18 +573,20 @@ def int8_qk_prologue(q, k, norm_q, norm_k, eps: float, cos, sin, kv_lengths=None
 def int8_qk_prologue_stacked(qkv, num_heads: int, num_kv_heads: int, norm_q, norm_k, eps: float, cos, sin,
                              kv_lengths=None, *, scale: float, block_q: int = 64, block_k: int = 64,
                              smooth_k: bool = True, interpret: bool = False, heads_per_program: int = 1,
-                             num_warps: int = 8):
+                             num_warps: int = 8, split_pairs: bool = False):
     """`int8_qk_prologue` with Q and K read in place from one stacked projection (batch, seq, H, head_dim), whose
     heads are [Q (num_heads) | K (num_kv_heads) | ...]: no copy of Q or K sliced out of it first.
-    `heads_per_program`, `num_warps`: the kernel's (see `_rms_rope_quantize`; `benchmark.py qk-prologue` times
-    them)."""
+    `heads_per_program`, `num_warps`, `split_pairs`: the kernel's (see `_rms_rope_quantize`; `benchmark.py
+    qk-prologue` times them)."""
     return _qk_prologue(qkv, (0, num_heads), qkv, (num_heads, num_kv_heads), norm_q, norm_k, eps, cos, sin,
                         kv_lengths, scale=scale, block_q=block_q, block_k=block_k, smooth_k=smooth_k,
-                        interpret=interpret, heads_per_program=heads_per_program, num_warps=num_warps)
+                        interpret=interpret, heads_per_program=heads_per_program, num_warps=num_warps,
+                        split_pairs=split_pairs)
 
 
 def _qk_prologue(q_src, q_heads, k_src, k_heads, norm_q, norm_k, eps, cos, sin, kv_lengths, *, scale, block_q,
-                 block_k, smooth_k, interpret, heads_per_program: int = 1, num_warps: int = 8):
+                 block_k, smooth_k, interpret, heads_per_program: int = 1, num_warps: int = 8,
+                 split_pairs: bool = False):
     """The prologue on heads [first, first + count) of `q_src` and `k_src` (`q_heads`, `k_heads`)."""
     b, s, _, d = q_src.shape
     (_, h), (k_first, hk) = q_heads, k_heads
@@ -598,7 +600,8 @@ def _qk_prologue(q_src, q_heads, k_src, k_heads, norm_q, norm_k, eps, cos, sin, 
         k_mean = jnp.sum(k32, axis=1) / jnp.maximum(valid.sum(axis=1), 1)[:, None, None]
     lengths = _key_lengths(kv_lengths, b, s)
     q_mean = jnp.zeros((b, h, d), jnp.float32)
-    kernel = functools.partial(_rms_rope_quantize, num_warps=num_warps, heads_per_program=heads_per_program)
+    kernel = functools.partial(_rms_rope_quantize, num_warps=num_warps, heads_per_program=heads_per_program,
+                               split_pairs=split_pairs)
     qi, qs = kernel(q_src, norm_q, eps, cos, sin, q_mean, None, scale, block_q, interpret, heads=q_heads)
     ki, ks = kernel(k_src, norm_k, eps, cos, sin, _deinterleave(k_mean), lengths, 1.0, block_k, interpret,
                     heads=k_heads)
@@ -618,13 +621,15 @@ def _round_half_even(x: jax.Array) -> jax.Array:
 
 
 def _rms_rope_quantize(x, weight, eps, cos_half, sin_half, mean, lengths, multiplier, block, interpret,
-                       num_warps: int = 8, heads: tuple[int, int] | None = None, heads_per_program: int = 1):
+                       num_warps: int = 8, heads: tuple[int, int] | None = None, heads_per_program: int = 1,
+                       split_pairs: bool = False):
     """The kernel: a program per (batch, block of `block` tokens, group of `heads_per_program` heads; fewer when
     the heads or their first one are no multiple of it). 8 warps: half the registers a thread holds of the
     (block, head_dim) tile, twice the occupancy: 270 vs 549 us for Krea 2's Q at 4224 tokens (NOTES.md). A group
     shares the rotary tables' loads and a program's fixed costs (measured per head: Q 122 us at 4224 tokens, 48
     heads, ~5x what its bytes take). `heads` (first, count): only those heads of x, read in place (all of them by
-    default)."""
+    default). `split_pairs`: load the tile contiguously and split the (real, imaginary) channel pairs in registers
+    instead of two stride-2 loads (the loads alone went 122 -> 101 us for Q in a timing-only variant)."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import triton as pltriton
 
@@ -653,10 +658,13 @@ def _rms_rope_quantize(x, weight, eps, cos_half, sin_half, mean, lengths, multip
         bi, si = pl.program_id(0), pl.program_id(1)
         per_head = (slice(None), None) if group > 1 else (slice(None),)  # broadcasts a token's value over heads
 
-        def channels(start):  # every other channel from `start`: (block, [group,] half)
-            return x_ref[(slice(None), *heads_axis, pl.ds(start, half, stride=2))].astype(jnp.float32)
-
-        even, odd = channels(0), channels(1)  # the real and the imaginary parts
+        if split_pairs:  # one contiguous load, the (real, imaginary) pairs split in registers
+            pairs = x_ref[...].astype(jnp.float32)
+            even, odd = jnp.split(pairs.reshape(*pairs.shape[:-1], half, 2), 2, axis=-1)
+            even, odd = even[..., 0], odd[..., 0]
+        else:  # every other channel from 0 and from 1: two strided loads
+            even, odd = (x_ref[(slice(None), *heads_axis, pl.ds(start, half, stride=2))].astype(jnp.float32)
+                         for start in (0, 1))
         inv = jax.lax.rsqrt((jnp.sum(even * even, axis=-1) + jnp.sum(odd * odd, axis=-1)) / d + eps)[..., None]
         even = even * inv * we_ref[...]
         odd = odd * inv * wo_ref[...]

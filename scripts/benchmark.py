@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import faulthandler
+import itertools
 import json
 import os
 import statistics
@@ -832,25 +833,24 @@ def qk_prologue(args) -> None:
     lengths = jnp.asarray([s - 8])
     print(f"\nQ/K prologue, {s} tokens, {h}/{hk} heads of {d}, stacked source; us per kernel (CUPTI)")
     first = None
-    for group in args.heads_per_program:
-        for warps in args.warps:
-            run = jax.jit(lambda x, norms, group=group, warps=warps: attention.int8_qk_prologue_stacked(
-                x, h, hk, norms[0], norms[1], 1e-6, cos, sin, lengths, scale=d**-0.5, block_q=64, block_k=128,
-                heads_per_program=group, num_warps=warps, interpret=jax.default_backend() != "gpu"))
-            label = f"{group} heads a program, {warps} warps"
-            try:
-                out = jax.block_until_ready(run(x, norms))
-                total, kernels = _cupti_seconds(run, x, norms, iterations=args.iters, by_kernel=True)
-            except Exception as e:  # a configuration that does not compile here
-                print(f"{label:<32} error: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
-                continue
-            first = first or out
-            same = all(np.array_equal(np.asarray(a), np.asarray(b_)) for a, b_ in zip(out[0::2], first[0::2]))
-            close = all(np.allclose(np.asarray(a), np.asarray(b_), rtol=1e-6)
-                        for a, b_ in zip(out[1::2], first[1::2]))  # the scales
-            parts = ", ".join(f"{name[:24]} {t * 1e6:.1f}"
-                              for name, t in sorted(kernels.items(), key=lambda kv: -kv[1]))
-            print(f"{label:<32} total {total * 1e6:7.1f}  codes {'equal' if same and close else 'DIFFER'}  {parts}")
+    for group, warps, split in itertools.product(args.heads_per_program, args.warps, args.split_pairs):
+        run = jax.jit(lambda x, norms, group=group, warps=warps, split=split: attention.int8_qk_prologue_stacked(
+            x, h, hk, norms[0], norms[1], 1e-6, cos, sin, lengths, scale=d**-0.5, block_q=64, block_k=128,
+            heads_per_program=group, num_warps=warps, split_pairs=split, interpret=jax.default_backend() != "gpu"))
+        label = f"{group} heads a program, {warps} warps" + (", pairs split" if split else "")
+        try:
+            out = jax.block_until_ready(run(x, norms))
+            total, kernels = _cupti_seconds(run, x, norms, iterations=args.iters, by_kernel=True)
+        except Exception as e:  # a configuration that does not compile here
+            print(f"{label:<40} error: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
+            continue
+        first = first or out
+        same = all(np.array_equal(np.asarray(a), np.asarray(b_)) for a, b_ in zip(out[0::2], first[0::2]))
+        close = all(np.allclose(np.asarray(a), np.asarray(b_), rtol=1e-6)
+                    for a, b_ in zip(out[1::2], first[1::2]))  # the scales
+        parts = ", ".join(f"{name[:24]} {t * 1e6:.1f}"
+                          for name, t in sorted(kernels.items(), key=lambda kv: -kv[1]))
+        print(f"{label:<40} total {total * 1e6:7.1f}  codes {'equal' if same and close else 'DIFFER'}  {parts}")
 
 
 def jax_gemm(args) -> list[dict]:
@@ -1524,6 +1524,8 @@ def main(argv=None) -> None:
     p.add_argument("--kv-heads", type=int, default=12)
     p.add_argument("--heads-per-program", nargs="+", type=int, default=[1, 2, 4])
     p.add_argument("--warps", nargs="+", type=int, default=[8, 16])
+    p.add_argument("--split-pairs", nargs="+", type=lambda s: s == "yes", default=[False, True], metavar="{no,yes}",
+                   help="load contiguously and split the rotary pairs in registers, or two stride-2 loads")
     p.add_argument("--iters", type=int, default=20)
     p = sub.add_parser("krea2-sharded-step")
     p.add_argument("--meshes", nargs="+", default=["", "seq=2", "seq=4", "seq=8"],

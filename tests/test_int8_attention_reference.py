@@ -251,11 +251,12 @@ def test_fused_prologue_gives_the_codes_of_the_separate_steps(batched_tables):
     np.testing.assert_allclose(ks, ks2, rtol=1e-6)
 
 
-@pytest.mark.parametrize("heads_per_program", [2, 4])
-def test_prologue_kernel_over_groups_of_heads_gives_the_codes_of_one_head_a_program(heads_per_program):
-    """The Q/K prologue kernel with several heads a program (the rotary tables loaded once for them): the codes of
-    one head a program, and the scales up to float32 rounding; Q's heads and, read in place after them, the masked
-    keys' (a stacked source), over a sequence the blocks do not divide."""
+@pytest.mark.parametrize("heads_per_program, split_pairs", [(2, False), (4, False), (1, True), (4, True)])
+def test_prologue_kernel_over_groups_of_heads_gives_the_codes_of_one_head_a_program(heads_per_program, split_pairs):
+    """The Q/K prologue kernel with several heads a program (the rotary tables loaded once for them), and with the
+    rotary pairs split in registers after one contiguous load: the codes of one head a program with two strided
+    loads, and the scales up to float32 rounding; Q's heads and, read in place after them, the masked keys' (a
+    stacked source), over a sequence the blocks do not divide."""
     from mxdit.pallas_kernels import attention as A
 
     rng = np.random.default_rng(3)
@@ -267,7 +268,8 @@ def test_prologue_kernel_over_groups_of_heads_gives_the_codes_of_one_head_a_prog
     for first, count, lengths, mult in ((0, h, None, 0.125), (h, hk, jnp.asarray([100, 61]), 1.0)):
         mean = jnp.asarray(rng.standard_normal((b, count, d)) * 0.3, jnp.float32)
         one, group = (A._rms_rope_quantize(x, weight, 1e-6, cos, sin, mean, lengths, mult, 64, True,
-                                           heads=(first, count), heads_per_program=g) for g in (1, heads_per_program))
+                                           heads=(first, count), heads_per_program=g, split_pairs=split)
+                      for g, split in ((1, False), (heads_per_program, split_pairs)))
         np.testing.assert_array_equal(np.asarray(group[0]), np.asarray(one[0]))
         np.testing.assert_allclose(np.asarray(group[1]), np.asarray(one[1]), rtol=1e-6)
 

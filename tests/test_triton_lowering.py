@@ -49,13 +49,14 @@ def test_fused_fp8_producers_lower(name):
     assert lowers(fn, *shapes)
 
 
-@pytest.mark.parametrize("heads_per_program", [1, 2, 4])
-def test_qk_prologue_lowers_with_heads_grouped(heads_per_program):
-    """Krea 2's layout (48 query and 12 KV heads in one stacked product), the masked keys read after the queries."""
+@pytest.mark.parametrize("heads_per_program, split_pairs", [(1, False), (2, False), (4, False), (1, True), (4, True)])
+def test_qk_prologue_lowers_with_heads_grouped(heads_per_program, split_pairs):
+    """Krea 2's layout (48 query and 12 KV heads in one stacked product), the masked keys read after the queries;
+    the rotary pairs loaded by two strided loads or split in registers."""
     def prologue(x, norms, cos, sin, lengths):
         return attention.int8_qk_prologue_stacked(x, 48, 12, norms[0], norms[1], 1e-6, cos, sin, lengths,
                                                   scale=128**-0.5, block_q=64, block_k=128,
-                                                  heads_per_program=heads_per_program)
+                                                  heads_per_program=heads_per_program, split_pairs=split_pairs)
 
     assert lowers(prologue, ((1, 256, 120, 128), BF16), ((2, 128), F32), ((256, 128), F32), ((256, 128), F32),
                   ((1,), jnp.int32))
