@@ -34,16 +34,24 @@ from .pipeline_flux import FluxPipeline
 from .pipeline_krea2 import Krea2Pipeline
 
 
+# How a streamed block's weights reach the device: "program", by the program of the block `prefetch` earlier (XLA's
+# copy-start/copy-done inside it; measured: XLA 0.11.2 schedules the copy before the block's compute, so the two
+# add up); "host", by a `device_put` of its own, which the runtime runs on its host-to-device stream.
+COPIES = ("program", "host")
+
+
 class _BlockStream:
     """The blocks of a model in running order, the first `resident` with their weights on the device, the others in
     pinned host memory; `run` calls each block's program with the weights of a later block to copy."""
 
-    def __init__(self, blocks, *, resident: int, prefetch: int):
+    def __init__(self, blocks, *, resident: int, prefetch: int, copies: str = "program"):
         if not 0 <= resident <= len(blocks):
             raise ValueError(f"resident must be between 0 and the {len(blocks)} blocks, got {resident}")
         if prefetch < 1:
             raise ValueError(f"prefetch must be at least 1, got {prefetch}")
-        self.resident, self.prefetch = resident, prefetch
+        if copies not in COPIES:
+            raise ValueError(f"copies must be one of {', '.join(COPIES)}, got {copies!r}")
+        self.resident, self.prefetch, self.copies = resident, prefetch, copies
         device = jax.devices()[0]
         self.on_device = jax.sharding.SingleDeviceSharding(device, memory_kind="device")
         on_host = jax.sharding.SingleDeviceSharding(device, memory_kind="pinned_host")
@@ -59,6 +67,8 @@ class _BlockStream:
     def run(self, programs, carry):
         """`programs[i](state, carry, ahead) -> (carry, copy)` for each block i in order: `state` block i's weights
         on the device, `ahead` a later block's host weights (or None) whose device copy the program returns."""
+        if self.copies == "host":
+            return self._run_host_copies(programs, carry)
         n, resident, prefetch = len(self.states), self.resident, self.prefetch
         copies = {}  # streamed block -> its weights on the device, made by the program `prefetch` blocks earlier
         for i in range(resident, min(resident + prefetch, n)):
@@ -75,6 +85,23 @@ class _BlockStream:
                 copies[j] = copy
         return carry
 
+    def _run_host_copies(self, programs, carry):
+        """`run` with each copy its own `device_put`, issued before the program of block i for the streamed blocks
+        up to i + prefetch (at the step's start the first prefetch + 1 of them: no streamed block holds device
+        memory then). The runtime copies on its host-to-device stream, after the programs dispatched before the
+        copy (whose memory it may reuse) and beside the ones after it; at most prefetch + 1 streamed blocks are on
+        the device at once, as with copies inside the programs."""
+        n, resident, prefetch = len(self.states), self.resident, self.prefetch
+        copies, issued = {}, resident
+        for i in range(n):
+            upto = min(n, max(i, resident) + prefetch + 1)
+            for j in range(issued, upto):
+                copies[j] = jax.device_put(self.states[j], self.on_device)
+            issued = max(issued, upto)
+            state = copies.pop(i) if i >= resident else self.states[i]
+            carry, _ = programs[i](state, carry, None)
+        return carry
+
 
 class _Streamed:
     """What both streamed transformers share: the block stream, the rest of the model (everything but the blocks:
@@ -82,10 +109,10 @@ class _Streamed:
 
     block_lists: tuple[str, ...] = ()  # the model's lists of blocks, in running order
 
-    def __init__(self, model: nnx.Module, *, resident: int, prefetch: int):
+    def __init__(self, model: nnx.Module, *, resident: int, prefetch: int, copies: str = "program"):
         lists = self.block_lists
         blocks = [block for name in lists for block in getattr(model, name)]
-        self.stream = _BlockStream(blocks, resident=resident, prefetch=prefetch)
+        self.stream = _BlockStream(blocks, resident=resident, prefetch=prefetch, copies=copies)
         self.block_states = self.stream.states
         self.block_graphs = {name: nnx.graphdef(getattr(model, name)[0]) for name in lists if len(getattr(model, name))}
         rest = nnx.merge(*nnx.split(model))  # a copy of the graph, its block lists emptied
@@ -119,14 +146,15 @@ class StreamedKrea2(_Streamed):
 
     resident: how many of the first joint blocks stay on the device (all: nothing is streamed).
     prefetch: how many streamed blocks are copied ahead of the one that runs (their device memory is the cost).
+    copies: how a streamed block's weights reach the device (`COPIES`).
     The model is taken apart: its streamed blocks' weights are copied to host memory; drop the model afterwards so
     that their device copies are freed.
     """
 
     block_lists = ("transformer_blocks",)
 
-    def __init__(self, model: Krea2Transformer, *, resident: int, prefetch: int = 2):
-        super().__init__(model, resident=resident, prefetch=prefetch)
+    def __init__(self, model: Krea2Transformer, *, resident: int, prefetch: int = 2, copies: str = "program"):
+        super().__init__(model, resident=resident, prefetch=prefetch, copies=copies)
         self._block = self._block_program("transformer_blocks", "run_block")
 
     def __call__(self, hidden_states, encoder_hidden_states, timestep, position_ids, encoder_attention_mask=None):
@@ -154,8 +182,8 @@ class StreamedFlux(_Streamed):
 
     block_lists = ("transformer_blocks", "single_transformer_blocks")
 
-    def __init__(self, model: FluxTransformer, *, resident: int, prefetch: int = 2):
-        super().__init__(model, resident=resident, prefetch=prefetch)
+    def __init__(self, model: FluxTransformer, *, resident: int, prefetch: int = 2, copies: str = "program"):
+        super().__init__(model, resident=resident, prefetch=prefetch, copies=copies)
         self.num_double = len(model.transformer_blocks)
         self._double = self._block_program("transformer_blocks", "run_double_block")
         if len(model.single_transformer_blocks):

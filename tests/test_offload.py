@@ -20,10 +20,11 @@ def tiny_and_inputs():
     return model, args, ref["output_masked"]
 
 
-@pytest.mark.parametrize("resident, prefetch", [(0, 1), (1, 1), (0, 2), (2, 1)])
-def test_streamed_blocks_give_the_transformer_output(tiny_and_inputs, resident, prefetch):
+@pytest.mark.parametrize("resident, prefetch, copies", [(0, 1, "program"), (1, 1, "program"), (0, 2, "program"),
+                                                       (2, 1, "program"), (0, 1, "host"), (1, 1, "host")])
+def test_streamed_blocks_give_the_transformer_output(tiny_and_inputs, resident, prefetch, copies):
     model, args, expected = tiny_and_inputs
-    streamed = StreamedKrea2(nnx.clone(model), resident=resident, prefetch=prefetch)
+    streamed = StreamedKrea2(nnx.clone(model), resident=resident, prefetch=prefetch, copies=copies)
     kinds = [jax.tree.leaves(s)[0].sharding.memory_kind for s in streamed.block_states]
     assert kinds == ["device"] * resident + ["pinned_host"] * (len(kinds) - resident)
     out = streamed(*args)
@@ -50,6 +51,44 @@ def test_bad_streaming_arguments_are_named(tiny_and_inputs):
         StreamedKrea2(model, resident=3)
     with pytest.raises(ValueError, match="prefetch must be at least 1"):
         StreamedKrea2(model, resident=0, prefetch=0)
+    with pytest.raises(ValueError, match="copies must be one of program, host, got 'dma'"):
+        StreamedKrea2(model, resident=0, copies="dma")
+
+
+@pytest.mark.parametrize("resident, prefetch", [(0, 1), (1, 2), (3, 1), (2, 3), (8, 2)])
+def test_host_copies_keep_at_most_prefetch_plus_one_streamed_blocks_on_the_device(resident, prefetch):
+    """`copies="host"`: every streamed block is copied once, before its program runs, and never more than prefetch + 1
+    streamed blocks' device copies are alive (what the device memory budget assumes), counted on a stand-in
+    stream of 8 blocks whose programs record what they see."""
+    from mxdit.model import offload
+
+    stream = offload._BlockStream([nnx.Linear(2, 2, rngs=nnx.Rngs(i)) for i in range(8)], resident=resident,
+                                  prefetch=prefetch, copies="host")
+    live, seen, most = {}, [], 0
+    put = offload.jax.device_put
+
+    def counting_put(state, sharding):
+        nonlocal most
+        copy = put(state, sharding)
+        live[id(copy)] = copy
+        most = max(most, len(live))
+        return copy
+
+    def program(i):
+        def run(state, carry, ahead):
+            assert ahead is None
+            seen.append((i, state["kernel"].get_value().sharding.memory_kind))
+            live.pop(id(state), None)  # dropped after its program (the stream holds no reference afterwards)
+            return carry + 1, None
+        return run
+
+    offload.jax.device_put = counting_put
+    try:
+        assert stream.run([program(i) for i in range(8)], 0) == 8
+    finally:
+        offload.jax.device_put = put
+    assert [i for i, _ in seen] == list(range(8)) and all(kind == "device" for _, kind in seen)
+    assert most <= prefetch + 1
 
 
 def test_offloaded_pipeline_makes_the_same_image(tmp_path):
