@@ -2,20 +2,19 @@
 
 The first `resident` blocks (in running order: Krea 2's joint blocks; FLUX.1's double, then single blocks) keep their
 weights on the device; the others live in pinned host memory. Each block runs as one compiled program (blocks of one
-kind share one structure, so one compilation serves them all), the embedding and the final layer as two more; the
-program of block i also copies block i + `prefetch`'s weights to the device, and XLA runs that copy beside the
-block's compute. What the device waits for per step (the "exposed" transfer time) is the
-streamed step's time minus the all-resident one (`scripts/benchmark.py krea2-offload`; FLUX.1's streaming is
-CPU-tested only).
+kind share one structure, so one compilation serves them all), the embedding and the final layer as two more. Each
+streamed block's weights are copied by a `device_put` of their own, issued `prefetch` blocks ahead; the runtime runs
+it on its host-to-device stream beside the programs dispatched after it. What the device waits for per step (the
+"exposed" transfer time) is the streamed step's time minus the all-resident one (`scripts/benchmark.py
+krea2-offload`; FLUX.1's streaming is CPU-tested only).
 
-Measured on the H200 (NOTES.md, session 5): a bf16 block (0.87 GB) crosses PCIe in 16.7 ms (52 GB/s) and computes in
-6.7 ms at 4224 tokens, so the copies overlap the compute but streamed blocks are copy-bound: 18 of 28 blocks resident
-under a 24 GB cap, 0.273 s a step against 0.187 all resident (31.7% exposed; 79.7% when each copy was its own
-`device_put` and the host waited per block). FP8 blocks (0.43 GB, session 6): 20 of 28 resident 0.174 s against
-0.120, 10 resident 0.254 (31% and 53% exposed), ~7 ms a streamed block where the copy alone should take ~8.3 and
-overlap ~4.2 of compute. The first repeat of every capped run took 11-12 s a step: the second step's inputs were
-committed arrays where the first's were not, and jit compiled all programs again (found on the CPU with
-JAX_LOG_COMPILES; the inputs are now committed first).
+Measured on the H200 (NOTES.md, session 8), FP8 Krea 2 under a 24 GB cap: a block's 0.43 GB cross PCIe in 8.9 ms
+(49 GB/s) and compute in 4.1 ms at 4224 tokens, and beside a `device_put` the block takes the copy's time (8.9 ms),
+not the sum. 20 of 28 blocks resident: 0.1283 s a step against 0.1142 all resident (11% exposed) with prefetch 2,
+**0.1169 (2.8%) with prefetch 4**; 10 resident 0.1678 (32%: 18 copies take more than a step's compute, so that
+much is copy-bound). Before (sessions 4-7) the copy was made inside the program of the block `prefetch` earlier, and
+XLA scheduled it before that block's compute, so the two added up (12.4 ms a block; 33% and 54% exposed); a
+`device_put` per block was slow in session 4 only because the host waited for each block.
 """
 
 from __future__ import annotations
@@ -34,63 +33,30 @@ from .pipeline_flux import FluxPipeline
 from .pipeline_krea2 import Krea2Pipeline
 
 
-# How a streamed block's weights reach the device: "program", by the program of the block `prefetch` earlier (XLA's
-# copy-start/copy-done inside it; measured: XLA 0.11.2 schedules the copy before the block's compute, so the two
-# add up); "host", by a `device_put` of its own, which the runtime runs on its host-to-device stream.
-COPIES = ("program", "host")
-
-
 class _BlockStream:
     """The blocks of a model in running order, the first `resident` with their weights on the device, the others in
-    pinned host memory; `run` calls each block's program with the weights of a later block to copy."""
+    pinned host memory; `run` calls each block's program with its weights on the device."""
 
-    def __init__(self, blocks, *, resident: int, prefetch: int, copies: str = "program"):
+    def __init__(self, blocks, *, resident: int, prefetch: int):
         if not 0 <= resident <= len(blocks):
             raise ValueError(f"resident must be between 0 and the {len(blocks)} blocks, got {resident}")
         if prefetch < 1:
             raise ValueError(f"prefetch must be at least 1, got {prefetch}")
-        if copies not in COPIES:
-            raise ValueError(f"copies must be one of {', '.join(COPIES)}, got {copies!r}")
-        self.resident, self.prefetch, self.copies = resident, prefetch, copies
+        self.resident, self.prefetch = resident, prefetch
         device = jax.devices()[0]
         self.on_device = jax.sharding.SingleDeviceSharding(device, memory_kind="device")
         on_host = jax.sharding.SingleDeviceSharding(device, memory_kind="pinned_host")
         self.states = [nnx.state(b) if i < resident else jax.device_put(nnx.state(b), on_host)
                        for i, b in enumerate(blocks)]
 
-    def copy_to_device(self, ahead):
-        """Inside a block's program: the later block's weights to the device. XLA runs this host-to-device copy,
-        which nothing in the program uses, beside the compute (measured: a block and a copy together take the copy's
-        time, not the sum)."""
-        return None if ahead is None else jax.device_put(ahead, self.on_device)
-
     def run(self, programs, carry):
-        """`programs[i](state, carry, ahead) -> (carry, copy)` for each block i in order: `state` block i's weights
-        on the device, `ahead` a later block's host weights (or None) whose device copy the program returns."""
-        if self.copies == "host":
-            return self._run_host_copies(programs, carry)
-        n, resident, prefetch = len(self.states), self.resident, self.prefetch
-        copies = {}  # streamed block -> its weights on the device, made by the program `prefetch` blocks earlier
-        for i in range(resident, min(resident + prefetch, n)):
-            if i < prefetch:  # no earlier block's program to carry this one: copied before the first
-                copies[i] = jax.device_put(self.states[i], self.on_device)
-        for i in range(n):
-            state = copies.pop(i) if i >= resident else self.states[i]
-            j = i + prefetch
-            ahead = self.states[j] if max(resident, prefetch) <= j < n else None
-            # Dispatch runs ahead of the device; device memory stays bounded because each copy is made by a block's
-            # program, in order, and dropped (freed) once its block has run.
-            carry, copy = programs[i](state, carry, ahead)
-            if copy is not None:
-                copies[j] = copy
-        return carry
+        """`programs[i](state, carry) -> carry` for each block i in order, `state` block i's weights on the device.
 
-    def _run_host_copies(self, programs, carry):
-        """`run` with each copy its own `device_put`, issued before the program of block i for the streamed blocks
-        up to i + prefetch (at the step's start the first prefetch + 1 of them: no streamed block holds device
-        memory then). The runtime copies on its host-to-device stream, after the programs dispatched before the
-        copy (whose memory it may reuse) and beside the ones after it; at most prefetch + 1 streamed blocks are on
-        the device at once, as with copies inside the programs."""
+        Before the program of block i, the streamed blocks up to i + prefetch are copied (at the step's start the
+        first prefetch + 1 of them: no streamed block holds device memory then), each by a `device_put` of its own,
+        which the runtime runs on its host-to-device stream beside the programs dispatched after it. Dispatch runs
+        ahead of the device, but device memory stays bounded: at most prefetch + 1 streamed blocks' weights are alive
+        at once, each dropped (freed) once its block's program is dispatched."""
         n, resident, prefetch = len(self.states), self.resident, self.prefetch
         copies, issued = {}, resident
         for i in range(n):
@@ -98,8 +64,7 @@ class _BlockStream:
             for j in range(issued, upto):
                 copies[j] = jax.device_put(self.states[j], self.on_device)
             issued = max(issued, upto)
-            state = copies.pop(i) if i >= resident else self.states[i]
-            carry, _ = programs[i](state, carry, None)
+            carry = programs[i](copies.pop(i) if i >= resident else self.states[i], carry)
         return carry
 
 
@@ -109,10 +74,10 @@ class _Streamed:
 
     block_lists: tuple[str, ...] = ()  # the model's lists of blocks, in running order
 
-    def __init__(self, model: nnx.Module, *, resident: int, prefetch: int, copies: str = "program"):
+    def __init__(self, model: nnx.Module, *, resident: int, prefetch: int):
         lists = self.block_lists
         blocks = [block for name in lists for block in getattr(model, name)]
-        self.stream = _BlockStream(blocks, resident=resident, prefetch=prefetch, copies=copies)
+        self.stream = _BlockStream(blocks, resident=resident, prefetch=prefetch)
         self.block_states = self.stream.states
         self.block_graphs = {name: nnx.graphdef(getattr(model, name)[0]) for name in lists if len(getattr(model, name))}
         rest = nnx.merge(*nnx.split(model))  # a copy of the graph, its block lists emptied
@@ -130,13 +95,12 @@ class _Streamed:
                                static_argnums=3)
 
     def _block_program(self, list_name: str, run: str):
-        """The jitted program of one block of `list_name`: `model.<run>(block, *args)`, and the copy of `ahead`."""
+        """The jitted program of one block of `list_name`: `model.<run>(block, *args)`."""
         graph = self.block_graphs[list_name]
 
         @jax.jit
-        def program(rest_state, state, args, ahead):
-            out = getattr(nnx.merge(self.rest_graph, rest_state), run)(nnx.merge(graph, state), *args)
-            return out, self.stream.copy_to_device(ahead)
+        def program(rest_state, state, args):
+            return getattr(nnx.merge(self.rest_graph, rest_state), run)(nnx.merge(graph, state), *args)
 
         return program
 
@@ -146,23 +110,22 @@ class StreamedKrea2(_Streamed):
 
     resident: how many of the first joint blocks stay on the device (all: nothing is streamed).
     prefetch: how many streamed blocks are copied ahead of the one that runs (their device memory is the cost).
-    copies: how a streamed block's weights reach the device (`COPIES`).
     The model is taken apart: its streamed blocks' weights are copied to host memory; drop the model afterwards so
     that their device copies are freed.
     """
 
     block_lists = ("transformer_blocks",)
 
-    def __init__(self, model: Krea2Transformer, *, resident: int, prefetch: int = 2, copies: str = "program"):
-        super().__init__(model, resident=resident, prefetch=prefetch, copies=copies)
+    def __init__(self, model: Krea2Transformer, *, resident: int, prefetch: int = 2):
+        super().__init__(model, resident=resident, prefetch=prefetch)
         self._block = self._block_program("transformer_blocks", "run_block")
 
     def __call__(self, hidden_states, encoder_hidden_states, timestep, position_ids, encoder_attention_mask=None):
         x, temb, temb_mod, rotary, kv_lengths = self._embed(self.rest_state, hidden_states, encoder_hidden_states,
                                                             timestep, position_ids, encoder_attention_mask)
 
-        def program(state, x, ahead):
-            return self._block(self.rest_state, state, (x, temb_mod, rotary, kv_lengths), ahead)
+        def program(state, x):
+            return self._block(self.rest_state, state, (x, temb_mod, rotary, kv_lengths))
 
         x = self.stream.run([program] * len(self.block_states), x)
         return self._finish(self.rest_state, x, temb, hidden_states.shape[1])
@@ -182,8 +145,8 @@ class StreamedFlux(_Streamed):
 
     block_lists = ("transformer_blocks", "single_transformer_blocks")
 
-    def __init__(self, model: FluxTransformer, *, resident: int, prefetch: int = 2, copies: str = "program"):
-        super().__init__(model, resident=resident, prefetch=prefetch, copies=copies)
+    def __init__(self, model: FluxTransformer, *, resident: int, prefetch: int = 2):
+        super().__init__(model, resident=resident, prefetch=prefetch)
         self.num_double = len(model.transformer_blocks)
         self._double = self._block_program("transformer_blocks", "run_double_block")
         if len(model.single_transformer_blocks):
@@ -196,14 +159,14 @@ class StreamedFlux(_Streamed):
                                                pooled_projections, timestep, img_ids, txt_ids, guidance)
         text_len = context.shape[1]
 
-        def double(state, carry, ahead):
-            return self._double(self.rest_state, state, (*carry, temb, rotary), ahead)
+        def double(state, carry):
+            return self._double(self.rest_state, state, (*carry, temb, rotary))
 
-        def first_single(state, carry, ahead):  # the streams joined [text, image] before it
-            return single(state, self._join(*carry), ahead)
+        def first_single(state, carry):  # the streams joined [text, image] before it
+            return single(state, self._join(*carry))
 
-        def single(state, x, ahead):
-            return self._single(self.rest_state, state, (x, temb, rotary), ahead)
+        def single(state, x):
+            return self._single(self.rest_state, state, (x, temb, rotary))
 
         n_single = len(self.block_states) - self.num_double
         programs = [double] * self.num_double + ([first_single] + [single] * (n_single - 1) if n_single else [])

@@ -199,15 +199,14 @@ def jax_krea2_offload(args) -> list[dict]:
     model = nnx.merge(graphdef, nnx.from_flat_state(flat))
     if args.precision != "bf16":
         stack_projections(model)  # as generate.py runs a quantized model (host-memory blocks stay in host memory)
-    streamed = StreamedKrea2(model, resident=resident, prefetch=args.prefetch, copies=args.copies)
+    streamed = StreamedKrea2(model, resident=resident, prefetch=args.prefetch)
     del model, flat, state
     init_s = time.perf_counter() - t0
     hidden, text, timestep, position_ids, mask = (jnp.asarray(a) for a in _krea2_inputs(
         cfg, args.height, args.width, args.text_len, args.valid_text))
     hidden, text = hidden.astype(jnp.bfloat16), text.astype(jnp.bfloat16)
     flops = _step_flops(cfg, hidden.shape[1], text.shape[1])
-    row = {"name": f"jax {args.precision}, {resident} of {cfg.num_layers} blocks resident, prefetch {args.prefetch}"
-                   + (f", copies by {args.copies}" if resident < cfg.num_layers else ""),
+    row = {"name": f"jax {args.precision}, {resident} of {cfg.num_layers} blocks resident, prefetch {args.prefetch}",
            "init_s": init_s}
     try:
         def steps(n):
@@ -231,8 +230,8 @@ def jax_krea2_offload(args) -> list[dict]:
 
 def _streamed_block_times(streamed, *inputs, repeats: int = 5) -> dict:
     """What a streamed block costs, in parts: its weights' copy from host memory alone (and the bytes), one block's
-    program alone, and the program with the copy of a streamed block's weights beside it (as streaming runs it). If
-    the copy overlapped the compute perfectly, each streamed block would expose max(0, copy - block) ms."""
+    program alone, and the program dispatched after the copy of a streamed block's weights (as streaming runs it).
+    If the copy overlapped the compute perfectly, the last would take max(copy, block)."""
     import jax
 
     x, _, temb_mod, rotary, kv_lengths = streamed._embed(streamed.rest_state, *inputs)
@@ -246,13 +245,10 @@ def _streamed_block_times(streamed, *inputs, repeats: int = 5) -> dict:
 
     copy_ms = median_ms(lambda: jax.device_put(host, on_device))
     gb = sum(leaf.nbytes for leaf in jax.tree.leaves(host)) / 1e9
-    def block_beside_host_copy():  # the copy dispatched first, as `copies="host"` streaming does
-        return jax.device_put(host, on_device), streamed._block(streamed.rest_state, state, block_args, None)
-
     return {"block_gb": gb, "copy_ms": copy_ms, "copy_gb_s": gb / copy_ms * 1e3,
-            "block_ms": median_ms(lambda: streamed._block(streamed.rest_state, state, block_args, None)),
-            "block_and_copy_ms": median_ms(lambda: streamed._block(streamed.rest_state, state, block_args, host)),
-            "block_and_host_copy_ms": median_ms(block_beside_host_copy)}
+            "block_ms": median_ms(lambda: streamed._block(streamed.rest_state, state, block_args)),
+            "block_and_copy_ms": median_ms(lambda: (jax.device_put(host, on_device),
+                                                    streamed._block(streamed.rest_state, state, block_args)))}
 
 
 def krea2_offload(args) -> None:
@@ -265,12 +261,11 @@ def krea2_offload(args) -> None:
     forwarded = ["--height", str(args.height), "--width", str(args.width), "--text-len", str(args.text_len),
                  "--valid-text", str(args.valid_text), "--iters", str(args.iters), "--repeats", str(args.repeats),
                  "--prefetch", str(args.prefetch), "--precision", args.precision]
-    capped = [["--resident", r, "--copies", c] for r in args.resident for c in args.copies]
     forwarded += ["--num-layers", str(args.num_layers)] if args.num_layers else []
     rows = _subprocess_rows(args, "krea2-offload-jax", forwarded + ["--resident", "all"])
     fraction = f"{args.device_memory_gb * 1e9 / 2**30 / total:.3f}"
-    for extra in capped:
-        rows += _subprocess_rows(args, "krea2-offload-jax", forwarded + extra,
+    for resident in args.resident:
+        rows += _subprocess_rows(args, "krea2-offload-jax", forwarded + ["--resident", resident],
                                  env={"XLA_PYTHON_CLIENT_MEM_FRACTION": fraction})
     base = rows[0].get("s_per_step")  # every block resident, uncapped
     print(f"\nKrea 2 step with weight streaming, {args.height}x{args.width}; capped runs: {args.device_memory_gb} GB")
@@ -286,9 +281,8 @@ def krea2_offload(args) -> None:
     for r in rows:
         if "copy_ms" in r:
             print(f"  {r['name']}: a streamed block's {r['block_gb']:.2f} GB copy alone {r['copy_ms']:.1f} ms "
-                  f"({r['copy_gb_s']:.0f} GB/s), a block alone {r['block_ms']:.1f} ms, a block with the copy in its "
-                  f"program {r['block_and_copy_ms']:.1f} ms, beside a device_put "
-                  f"{r.get('block_and_host_copy_ms', float('nan')):.1f} ms")
+                  f"({r['copy_gb_s']:.0f} GB/s), a block alone {r['block_ms']:.1f} ms, a block beside the copy "
+                  f"{r['block_and_copy_ms']:.1f} ms")
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
 
@@ -791,7 +785,6 @@ def diffusers_flux_step(args) -> list[dict]:
 
 PRECISION_CHOICES = ["bf16", "fp8", "mxfp8", "mxfp6", "mxfp4", "int8"]  # model.layers.PRECISIONS (imported late)
 ATTENTION_CHOICES = ["cudnn", "xla", "int8", "int8_mosaic"]  # model.layers.ATTENTION_KERNELS
-COPIES_CHOICES = ["program", "host"]  # model.offload.COPIES
 GEMM_SHAPES = ["4608x6144x6144", "4608x6144x18432", "4608x6144x32768", "4608x16384x6144", "1024x6144x6144",
                "16384x6144x6144"]
 
@@ -1577,11 +1570,8 @@ def main(argv=None) -> None:
         if name == "krea2-offload":
             p.add_argument("--resident", nargs="+", default=["16", "20"], help="blocks kept on the device, per run")
             p.add_argument("--device-memory-gb", type=float, default=24.0)
-            p.add_argument("--copies", nargs="+", default=["program", "host"], choices=COPIES_CHOICES,
-                           help="how streamed weights reach the device (model/offload.py), a capped run each")
         else:
             p.add_argument("--resident", default="all")
-            p.add_argument("--copies", default="program", choices=COPIES_CHOICES)
     args = parser.parse_args(argv)
     commands = {
         "krea2-offload": krea2_offload, "krea2-offload-jax": jax_krea2_offload,

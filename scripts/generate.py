@@ -60,6 +60,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="a GPU smaller than the model: keep the first RESIDENT transformer blocks on the "
                              "device and stream the others from host memory, loaded straight there (in --precision's or "
                              "--quantized's format)")
+    parser.add_argument("--prefetch", type=int, default=2, metavar="N",
+                        help="with --offload: copy streamed blocks N blocks ahead (N + 1 blocks' device memory); more "
+                             "hides more of the copies when there is room (NOTES.md, session 8)")
     parser.add_argument("--compile-cache", type=Path, default=Path.home() / ".cache" / "mxdit" / "jax",
                         help="JAX's persistent compilation cache, so that a second run starts fast ('' : off)")
     parser.add_argument("--tiled-decode", action="store_true", help="decode the VAE in tiles (large images)")
@@ -126,6 +129,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.offload is not None:
         if args.offload < 0:
             parser.error(f"--offload {args.offload}: the number of resident blocks must be >= 0")
+        if args.prefetch < 1:
+            parser.error(f"--prefetch {args.prefetch}: must be >= 1")
         for given, name in ((args.mesh is not None, "--mesh"), (args.fuse_lora, "--fuse-lora")):
             if given:
                 parser.error(f"--offload with {name}: not supported together yet")
@@ -222,7 +227,7 @@ def main(argv=None) -> int:
         if args.offload is not None:
             from mxdit.model.offload import offload_pipeline
 
-            pipe = offload_pipeline(pipe, resident=args.offload)
+            pipe = offload_pipeline(pipe, resident=args.offload, prefetch=args.prefetch)
         if mesh is not None:
             if isinstance(pipe, FluxPipeline):
                 raise ValueError("--mesh: FLUX.1 runs on one device for now (sharding covers Krea 2)")

@@ -71,6 +71,7 @@ def test_flux_folder_is_recognised_from_its_model_index(tmp_path, capsys):
     (["--model", "/nonexistent/krea2", "--prompt", "x"], "--model /nonexistent/krea2: no such folder"),
     (["--demo", "--prompt", "x", "--output", "out.jpg"], "--output out.jpg: must end in .png"),
     (["--demo", "--prompt", "x", "--steps", "0"], "--steps 0: must be between 1 and 1000"),
+    (["--demo", "--prompt", "x", "--offload", "1", "--prefetch", "0"], "--prefetch 0: must be >= 1"),
 ])
 def test_bad_arguments_exit_with_one_line(tmp_path, capsys, argv, message):
     code, captured = run(argv, capsys)
@@ -182,7 +183,7 @@ def test_offload_streams_blocks(tmp_path, capsys):
     # model amplifies such differences)
     common = ["--model", str(FIXTURES / "krea2" / "tiny_pipeline"), "--prompt", "a cat", "--height", "64", "--width",
               "64", "--steps", "2", "--max-sequence-length", "16", "--precision", "fp8", "--dtype", "fp32"]
-    code, captured = run(common + ["--offload", "1", "--output", str(tmp_path / "so.png")], capsys)
+    code, captured = run(common + ["--offload", "1", "--prefetch", "1", "--output", str(tmp_path / "so.png")], capsys)
     assert code == 0, captured.err
     code, captured = run(common + ["--output", str(tmp_path / "s.png")], capsys)
     assert code == 0, captured.err
