@@ -629,7 +629,8 @@ def _rms_rope_quantize(x, weight, eps, cos_half, sin_half, mean, lengths, multip
     shares the rotary tables' loads and a program's fixed costs (measured per head: Q 122 us at 4224 tokens, 48
     heads, ~5x what its bytes take). `heads` (first, count): only those heads of x, read in place (all of them by
     default). `split_pairs`: load the tile contiguously and split the (real, imaginary) channel pairs in registers
-    instead of two stride-2 loads (the loads alone went 122 -> 101 us for Q in a timing-only variant)."""
+    instead of two stride-2 loads; measured at 4224 tokens: Q 96 -> 82 us, K 27 -> 32 (as noisy), together < 1% of
+    a step, so off by default. Several heads a program measured slower (Q 103-174 us, NOTES.md session 8)."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import triton as pltriton
 
