@@ -65,20 +65,60 @@ def _step_flops(cfg, image_len: int, text_len: int) -> float:
     return cfg.num_layers * (seq * per_token + attention)
 
 
+class _GpuClocks:
+    """nvidia-smi's SM clock and power draw, sampled every 100 ms while the `with` block runs; `.summary()` gives
+    their median / minimum / maximum (empty without nvidia-smi). Why: the H200 holds its 700 W cap in a quantized
+    Krea 2 step by lowering its clock (median 1635 of 1980 MHz, NOTES.md session 8), so a figure means little without
+    the clock it ran at."""
+
+    def __enter__(self):
+        try:
+            self.proc = subprocess.Popen(["nvidia-smi", "--query-gpu=clocks.sm,power.draw", "--format=csv,noheader,"
+                                          "nounits", "-lms", "100", "-i", "0"], stdout=subprocess.PIPE,
+                                         stderr=subprocess.DEVNULL, text=True)
+        except OSError:  # no NVIDIA driver here
+            self.proc = None
+        return self
+
+    def __exit__(self, *exc):
+        self.samples = []
+        if self.proc is not None:
+            self.proc.terminate()
+            try:
+                out, _ = self.proc.communicate(timeout=5)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                out, _ = self.proc.communicate()
+            for line in out.splitlines():
+                try:
+                    mhz, watts = (float(v) for v in line.split(","))
+                except ValueError:  # a partial last line, or "[N/A]"
+                    continue
+                self.samples.append((mhz, watts))
+
+    def summary(self) -> dict:
+        if not self.samples:
+            return {}
+        mhz, watts = zip(*self.samples)
+        return {"sm_mhz_median": statistics.median(mhz), "sm_mhz_min": min(mhz), "power_w_max": max(watts)}
+
+
 def _timed(run, iters: int, repeats: int) -> dict:
     """`run(n)` runs n steps and waits for them: the first call of one step (compilation included) as compile_s, then
-    the median seconds a step over `repeats` runs of `iters` steps, and their spread."""
+    the median seconds a step over `repeats` runs of `iters` steps, and their spread; with the GPU's clock and power
+    over the timed runs (`_GpuClocks`)."""
     t0 = time.perf_counter()
     run(1)
     compile_s = time.perf_counter() - t0
     times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        run(iters)
-        times.append((time.perf_counter() - t0) / iters)
+    with _GpuClocks() as clocks:
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            run(iters)
+            times.append((time.perf_counter() - t0) / iters)
     median = statistics.median(times)
     return {"compile_s": compile_s, "s_per_step": median, "spread": (max(times) - min(times)) / median,
-            "repeats_s": times}
+            "repeats_s": times, **clocks.summary()}
 
 
 def jax_krea2_step(args) -> list[dict]:
@@ -147,13 +187,15 @@ def jax_krea2_step(args) -> list[dict]:
                         memory = fused.lower(state, hidden, step_text, timestep, 1).compile().memory_analysis()
                         row["temp_gb"] = getattr(memory, "temp_size_in_bytes", 0) / 1e9
                     times = []
-                    for _ in range(args.repeats):
-                        t0 = time.perf_counter()
-                        jax.block_until_ready(call(args.iters))
-                        times.append((time.perf_counter() - t0) / args.iters)
+                    with _GpuClocks() as clocks:
+                        for _ in range(args.repeats):
+                            t0 = time.perf_counter()
+                            jax.block_until_ready(call(args.iters))
+                            times.append((time.perf_counter() - t0) / args.iters)
                     row["s_per_step"] = statistics.median(times)
                     row["spread"] = (max(times) - min(times)) / row["s_per_step"]
                     row["tflops"] = flops / row["s_per_step"] / 1e12
+                    row.update(clocks.summary())
                 except Exception as e:  # record and go on with the other variants
                     row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
                 stats = device.memory_stats() or {}
@@ -1411,14 +1453,16 @@ def _forwarded(args) -> list[str]:
 def _table(rows: list[dict], title: str) -> None:
     print(f"\n{title}")
     print(f"{'implementation':<62} {'s/step':>8} {'TFLOP/s':>8} {'peak GB':>8} {'warm-up s':>9} {'weights GB':>10} "
-          f"{'temp GB':>8}")
+          f"{'temp GB':>8} {'SM MHz':>7} {'max W':>6}")
     for r in rows:
         if "name" not in r:
             continue
         if "error" in r:
             print(f"{r['name']:<62} error: {r['error']}")
             continue
-        extra = "".join(f" {r[k]:{w}.1f}" if k in r else f" {'':>{w}}" for k, w in (("weights_gb", 10), ("temp_gb", 8)))
+        extra = "".join(f" {r[k]:{w}.{d}f}" if k in r else f" {'':>{w}}"
+                        for k, w, d in (("weights_gb", 10, 1), ("temp_gb", 8, 1), ("sm_mhz_median", 7, 0),
+                                        ("power_w_max", 6, 0)))
         print(f"{r['name']:<62} {r['s_per_step']:8.4f} {r['tflops']:8.0f} {r['peak_gb']:8.1f} {r['compile_s']:9.1f}"
               + extra)
 
