@@ -24,6 +24,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 
 def _quantize_int8_blocks(x: jax.Array, block: int) -> tuple[jax.Array, jax.Array]:
@@ -276,6 +277,37 @@ def _int32_to_float32(x: jax.Array) -> jax.Array:
     return jax.lax.bitcast_convert_type(x + _MAGIC, jnp.float32) - 12582912.0
 
 
+def _pv_key_order(keys: int) -> np.ndarray:
+    """The key order in which FP8 P's registers, read as wgmma's 8-bit A operand, multiply V (`_p_as_8bit_operand`).
+    In the float32 accumulator's layout (WGMMA) the thread of lane c (mod 4) holds columns 2c, 2c + 1, 8 + 2c and
+    9 + 2c of every 16; the 8-bit operand layout (WGMMA_8BIT) places a thread's four bytes at columns 4c .. 4c + 3.
+    Regrouping the registers without moving data therefore permutes P's keys within each 16, and V^T's keys are
+    permuted the same way in XLA (the sum over keys does not depend on their order)."""
+    c = np.arange(4)
+    group = np.stack([2 * c, 2 * c + 1, 8 + 2 * c, 9 + 2 * c], axis=1).reshape(16)  # position 4c + i <- key
+    return (np.arange(0, keys, 16)[:, None] + group[None]).reshape(keys)
+
+
+def _p_as_8bit_operand(p: jax.Array) -> jax.Array:
+    """FP8 P (64, keys) in the accumulator's layout as wgmma's register A operand, WGMMA_8BIT, with no data moved:
+    each 8-bit register vector is the two 2-byte vectors of neighbouring 8-column tiles; the columns' new order is
+    `_pv_key_order`'s (FA3 shuffles bytes between threads instead; permuting V costs nothing here)."""
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+    from jax.experimental.mosaic.gpu import fragmented_array as fa
+    from jax.experimental.mosaic.gpu import utils as mgpu_utils
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA,),
+                       return_type=plgpu.ShapeDtypeStruct(p.shape, p.dtype, layout=plgpu.Layout.WGMMA_8BIT))
+    def regroup(_, x):
+        registers = np.empty(fa.WGMMA_LAYOUT_8BIT.registers_shape(x.shape), dtype=object)
+        for index in np.ndindex(registers.shape):
+            pair = [x.registers[(index[0], 2 * index[1] + k, *index[2:])] for k in range(2)]
+            registers[index] = mgpu_utils.vector_concat(pair)
+        return fa.FragmentedArray(_registers=registers, _layout=fa.WGMMA_LAYOUT_8BIT, _is_signed=None)
+
+    return regroup(p)
+
+
 def compute_registers(compute_wgs: int, memory_registers: int = 40) -> int:
     """The registers a thread of each compute warpgroup can take with `setmaxnreg` when the memory warpgroup keeps
     `memory_registers`: the SM has 65536, and the count must be a multiple of 8. Asking for more does not fail; the
@@ -304,8 +336,10 @@ def _int8_attention_mosaic(qi, qs, ki, ks, v32, kv_lengths, *, pv, block_k, num_
     the transpose happens in XLA before), P * 448 in E4M3 through shared memory (the register A operand of an 8-bit
     wgmma needs a layout the softmax's values are not in), each key block's product in a fresh float32 accumulator
     added into the running one (two-level accumulation); 1/448 and V's channel scale are applied after the kernel.
-    `p_in_smem` (default: only for fp8 and in interpret mode, whose wgmma reads operands from shared memory only)
-    sends bf16 P through shared memory too, with the same two-level accumulation.
+    `p_in_smem` (default: for fp8, and in interpret mode, whose wgmma reads operands from shared memory only)
+    sends bf16 P through shared memory too, with the same two-level accumulation. `p_in_smem=False` with fp8: P
+    stays in registers, regrouped into the 8-bit operand layout with no data moved (`_p_as_8bit_operand`; V's keys
+    permuted to match in XLA): lowers on the CPU, not yet run on the GPU, so not the default.
 
     `lower_only`: return the lowered (cuda) computation instead of running it; CPU tests use it to check that the
     real Mosaic lowering accepts every variant.
@@ -322,9 +356,8 @@ def _int8_attention_mosaic(qi, qs, ki, ks, v32, kv_lengths, *, pv, block_k, num_
         raise ValueError(f"mosaic attention: head_dim {d} and block_k {block_k} must be multiples of 64, at most 256")
     if qs.shape[1] != pl.cdiv(sq, rows):
         raise ValueError(f"mosaic attention: Q must be quantized per {rows} rows")
-    if p_in_smem is None:
-        p_in_smem = interpret
-    p_in_smem = p_in_smem or pv == "fp8"
+    if p_in_smem is None:  # FP8 P from registers is not measured on the GPU yet: through shared memory by default
+        p_in_smem = interpret or pv == "fp8"
     if interpret and not p_in_smem:
         raise ValueError("the Mosaic GPU interpreter's wgmma reads A from shared memory only: p_in_smem=True")
     pad_q, pad_k = (-sq) % (2 * rows), (-sk) % block_k
@@ -340,6 +373,8 @@ def _int8_attention_mosaic(qi, qs, ki, ks, v32, kv_lengths, *, pv, block_k, num_
     if pv == "fp8":
         vb, v_scale = _quantize_v_fp8(v32)
         vb = jnp.pad(vb, ((0, 0), (0, pad_k), (0, 0), (0, 0))).transpose(0, 2, 3, 1)  # (batch, kv_heads, dim, keys)
+        if not p_in_smem:  # P's registers read as the 8-bit operand layout order the keys so (`_p_as_8bit_operand`)
+            vb = vb[..., _pv_key_order(vb.shape[-1])]
         v_block, v_transforms, p_dtype = (d, block_k), _mosaic_transforms(1, block_k), jnp.float8_e4m3fn
     else:
         vb = jnp.pad(v32.astype(jnp.bfloat16), ((0, 0), (0, pad_k), (0, 0), (0, 0)))
@@ -409,6 +444,8 @@ def _int8_attention_mosaic(qi, qs, ki, ks, v32, kv_lengths, *, pv, block_k, num_
                 s = pl.run_scoped(qk, plgpu.ACC((rows, block_k), jnp.int32))
                 plgpu.barrier_arrive(k_free.at[slot])
                 p, m, l, alpha = softmax(s, j, m, l, masked)
+                if pv == "fp8" and not p_in_smem:
+                    p = _p_as_8bit_operand(p)
                 acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
                 if p_in_smem:
                     p_smem.at[wg][...] = p
@@ -434,6 +471,13 @@ def _int8_attention_mosaic(qi, qs, ki, ks, v32, kv_lengths, *, pv, block_k, num_
 
                     block = pl.run_scoped(pv_block, plgpu.ACC((rows, d), jnp.float32))
                     acc = acc + block
+                elif pv == "fp8":  # P from registers, in a fresh accumulator (two-level accumulation)
+                    def pv_fresh(acc_ref):
+                        plgpu.wgmma(acc_ref, p, v_op)
+                        wait_next_k()
+                        return acc_ref[...]
+
+                    acc = acc + pl.run_scoped(pv_fresh, plgpu.ACC((rows, d), jnp.float32))
                 else:
                     def pv_in_place(acc_ref):
                         plgpu.wgmma(acc_ref, p, v_op)

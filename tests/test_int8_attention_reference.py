@@ -159,6 +159,8 @@ def test_mosaic_kernel_writes_bf16_directly():
     (128, "bf16", True, 64, 2, jnp.float32),
     (128, "fp8", True, 128, 2, jnp.float32),
     (64, "fp8", True, 64, 2, jnp.bfloat16),
+    (128, "fp8", False, 128, 2, jnp.bfloat16),  # FP8 P from registers (`_p_as_8bit_operand`)
+    (64, "fp8", False, 64, 3, jnp.float32),
 ])
 def test_mosaic_kernel_lowers_for_the_gpu(d, pv, p_in_smem, block_k, num_stages, out_dtype):
     """Mosaic GPU's own lowering (layouts, wgmma operand checks, TMA slices) runs in Python, so the CPU can check
@@ -171,6 +173,45 @@ def test_mosaic_kernel_lowers_for_the_gpu(d, pv, p_in_smem, block_k, num_stages,
     lowered = A._int8_attention_mosaic(qi, qs, ki, ks, v32, lengths, pv=pv, block_k=block_k, num_stages=num_stages,
                                        p_in_smem=p_in_smem, lower_only=True, out_dtype=out_dtype)
     assert "mosaic_gpu" in lowered.as_text()
+
+
+def test_fp8_p_registers_read_as_the_8bit_operand_hold_p_in_pv_key_order():
+    """The register P path for FP8 P.V regroups the accumulator-layout registers (WGMMA: two bytes a vector) into
+    the 8-bit operand layout (WGMMA_8BIT: four) without moving data, and permutes V's keys to match. Which element
+    each thread's registers hold is computed here from the two layouts' own tilings (as Mosaic GPU's
+    `thread_idxs` does, in numpy): the regrouped registers must hold P[row, order[col]] at (row, col), order being
+    `_pv_key_order`. The interpreter cannot run this path (its wgmma takes A from shared memory only)."""
+    from jax.experimental.mosaic.gpu import fragmented_array as fa
+
+    from mxdit.pallas_kernels.attention import _pv_key_order
+
+    def held(layout, shape):  # thread -> register index -> the (row, col) of each element of its vector
+        contiguous = tuple(int(np.prod(shape[i + 1:])) for i in range(len(shape)))
+        strides = layout.tiling.tile_strides(contiguous)
+        tiled, tile_strides = layout.tiled_tiling_shape, strides[-layout.tiled_tiling_rank:]
+
+        def offset(index, dims):
+            sizes = [tiled[d] for d in dims]
+            return sum((index // int(np.prod(sizes[i + 1:]))) % size * tile_strides[d]
+                       for i, (d, size) in enumerate(zip(dims, sizes)))
+
+        return {t: {r: [divmod(offset(t // 32, layout.warp_dims) + offset(t % 32, layout.lane_dims)
+                               + sum(i * s for i, s in zip(r, strides)) + e * tile_strides[layout.vector_dim], shape[1])
+                        for e in range(layout.vector_length)]
+                    for r in np.ndindex(layout.registers_shape(shape))}
+                for t in range(128)}
+
+    shape = (64, 128)
+    wgmma, operand = held(fa.WGMMA_LAYOUT, shape), held(fa.WGMMA_LAYOUT_8BIT, shape)
+    every = [(r, c) for r in range(64) for c in range(128)]
+    for layout in (wgmma, operand):  # the emulation is a partition of the tile, as a layout must be
+        assert sorted(x for regs in layout.values() for v in regs.values() for x in v) == every
+    order = _pv_key_order(128)
+    for t in range(128):
+        for r, positions in operand[t].items():
+            pair = wgmma[t][(r[0], 2 * r[1], *r[2:])] + wgmma[t][(r[0], 2 * r[1] + 1, *r[2:])]
+            assert [(row, order[col]) for row, col in positions] == pair
+    assert sorted(order) == list(range(128))
 
 
 def test_mosaic_backend_names_its_limits():
