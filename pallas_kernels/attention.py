@@ -333,8 +333,8 @@ def _int8_attention_mosaic(qi, qs, ki, ks, v32, kv_lengths, *, pv, block_k, num_
 
     P.V: "bf16" with P from registers (wgmma's A operand) and V (keys, dim) from shared memory, accumulating into
     the running accumulator in place. "fp8": V^T (dim, keys) E4M3 from shared memory (8-bit B must be K-major, so
-    the transpose happens in XLA before), P * 448 in E4M3 through shared memory (the register A operand of an 8-bit
-    wgmma needs a layout the softmax's values are not in), each key block's product in a fresh float32 accumulator
+    the transpose happens in XLA before), P * 448 in E4M3 through shared memory by default (the register A operand
+    of an 8-bit wgmma wants another layout than the softmax's values: see `p_in_smem`), each key block's product in a fresh float32 accumulator
     added into the running one (two-level accumulation); 1/448 and V's channel scale are applied after the kernel.
     `p_in_smem` (default: for fp8, and in interpret mode, whose wgmma reads operands from shared memory only)
     sends bf16 P through shared memory too, with the same two-level accumulation. `p_in_smem=False` with fp8: P
