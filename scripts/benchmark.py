@@ -1156,11 +1156,6 @@ def jax_attention(args) -> list[dict]:
                         lambda q, k, v, bk=bk, stages=stages, pv=pv: attention.int8_attention(
                             q, k, v, kv_lengths=lengths, pv=pv, block_q=64, block_k=bk, num_stages=stages,
                             backend="mosaic", out_dtype=jnp.bfloat16))  # bf16 out, as cuDNN's and the models'
-                    if pv == "fp8":  # not yet measured: FP8 P as wgmma's register operand (no shared-memory trip)
-                        variants[f"int8-QK fp8-PV mosaic k{bk} s{stages} P from registers, {tag}"] = (
-                            lambda q, k, v, bk=bk, stages=stages: attention._int8_attention_mosaic(
-                                *attention._prologue(q, k, v, lengths, 64, bk, d**-0.5)[:5], lengths, pv="fp8",
-                                block_k=bk, num_stages=stages, p_in_smem=False, out_dtype=jnp.bfloat16))
             # From raw projections: XLA's RMSNorm + rotary then cuDNN, against the INT8 kernel with its fused prologue.
             norm = jnp.zeros((d,), jnp.float32)
             angles = jnp.arange(s)[:, None] * (1.0 / 10000 ** (jnp.arange(0, d, 2) / d))
