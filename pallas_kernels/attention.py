@@ -291,7 +291,8 @@ def _pv_key_order(keys: int) -> np.ndarray:
 def _p_as_8bit_operand(p: jax.Array) -> jax.Array:
     """FP8 P (64, keys) in the accumulator's layout as wgmma's register A operand, WGMMA_8BIT, with no data moved:
     each 8-bit register vector is the two 2-byte vectors of neighbouring 8-column tiles; the columns' new order is
-    `_pv_key_order`'s (FA3 shuffles bytes between threads instead; permuting V costs nothing here)."""
+    `_pv_key_order`'s (FA3 shuffles bytes between threads instead; permuting V costs nothing here). Built on Mosaic
+    GPU's FragmentedArray internals (`_registers`, jax 0.11.2, which the project pins)."""
     import jax.experimental.pallas.mosaic_gpu as plgpu
     from jax.experimental.mosaic.gpu import fragmented_array as fa
     from jax.experimental.mosaic.gpu import utils as mgpu_utils
