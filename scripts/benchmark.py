@@ -179,23 +179,12 @@ def jax_krea2_step(args) -> list[dict]:
                                f"{'masked' if masked else 'no mask'}, {mode}{', text fused once' if args.fused_text else ''}",
                        "weights_gb": weights_gb}
                 try:
-                    t0 = time.perf_counter()
-                    jax.block_until_ready(call(1))
-                    row["compile_s"] = time.perf_counter() - t0
+                    row.update(_timed(lambda n, call=call: jax.block_until_ready(call(n)), args.iters, args.repeats))
+                    row["tflops"] = flops / row["s_per_step"] / 1e12
                     if mode == "one jitted loop":  # the step's own memory beside the weights (the process peak
                         # also holds the bf16 weights the quantized ones were made from)
                         memory = fused.lower(state, hidden, step_text, timestep, 1).compile().memory_analysis()
                         row["temp_gb"] = getattr(memory, "temp_size_in_bytes", 0) / 1e9
-                    times = []
-                    with _GpuClocks() as clocks:
-                        for _ in range(args.repeats):
-                            t0 = time.perf_counter()
-                            jax.block_until_ready(call(args.iters))
-                            times.append((time.perf_counter() - t0) / args.iters)
-                    row["s_per_step"] = statistics.median(times)
-                    row["spread"] = (max(times) - min(times)) / row["s_per_step"]
-                    row["tflops"] = flops / row["s_per_step"] / 1e12
-                    row.update(clocks.summary())
                 except Exception as e:  # record and go on with the other variants
                     row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
                 stats = device.memory_stats() or {}
@@ -779,19 +768,15 @@ def jax_flux_step(args) -> list[dict]:
 
         row = {"name": f"jax FLUX.1-dev {precision}{' stacked' if args.stacked else ''}, {model.attention} "
                        f"attention, a dispatch per step"}
+
+        def steps(n, step=step, state=state):  # bound now: `state` is deleted below
+            x = hidden
+            for i in range(n):
+                x = step(state, x, 0.9 - 0.01 * i)
+            return jax.block_until_ready(x)
+
         try:
-            t0 = time.perf_counter()
-            jax.block_until_ready(step(state, hidden, 0.5))
-            row["compile_s"] = time.perf_counter() - t0
-            times = []
-            for _ in range(args.repeats):
-                x = hidden
-                t0 = time.perf_counter()
-                for i in range(args.iters):
-                    x = step(state, x, 0.9 - 0.01 * i)
-                jax.block_until_ready(x)
-                times.append((time.perf_counter() - t0) / args.iters)
-            row["s_per_step"] = statistics.median(times)
+            row.update(_timed(steps, args.iters, args.repeats))
             row["tflops"] = _flux_flops(cfg, hidden.shape[1], text.shape[1]) / row["s_per_step"] / 1e12
         except Exception as e:  # record and go on with the other precisions
             row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
@@ -860,8 +845,8 @@ def _cupti_seconds(fn, *inputs, iterations: int, by_kernel: bool = False):
 
 def qk_prologue(args) -> None:
     """The INT8 attention's fused Q/K prologue (RMSNorm, rotary, K smoothing, INT8 per block: Krea 2's Q and K read
-    in place from the stacked QKVG product) for each --heads-per-program x --warps: CUPTI time of each kernel, and
-    whether the codes and scales equal those of the first configuration."""
+    in place from the stacked QKVG product) for each --heads-per-program x --warps x --split-pairs: CUPTI time of each
+    kernel, and how far its codes and scales are from the first configuration's."""
     import jax
     import jax.numpy as jnp
     import numpy as np
