@@ -23,12 +23,12 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from .layers import (FP8Activations, Linear, apply_rotary, attention, attention_implementation, fp8_input_backend,
-                     fused_fp8_producer, int8_attention_from_projections, int8_attention_from_stacked, remat_call,
-                     rotary_tables, shard_activation, stacked_linear)
+from .layers import (INT8_ATTENTION, FP8Activations, Linear, apply_rotary, attention, attention_implementation,
+                     fp8_input_backend, fused_fp8_producer, int8_attention_from_projections,
+                     int8_attention_from_stacked, remat_call, rotary_tables, shard_activation, stacked_linear)
 from .loading import CheckpointError, config_from_dict, load_state, open_checkpoint, read_json
 
-AttentionImpl = Literal["xla", "cudnn", "int8", "int8_mosaic"]
+AttentionImpl = Literal["xla", "cudnn", "int8", "int8_fp8", "int8_mosaic", "int8_mosaic_fp8"]  # layers.ATTENTION_KERNELS
 # An attention function (q, k, v, kv_lengths) -> out in place of a kernel name, e.g. sharding/'s sequence-parallel
 # attention: q (batch, seq, heads, head_dim), k and v (batch, seq, kv_heads, head_dim), out shaped as q.
 AttentionFn = Callable[[jax.Array, jax.Array, jax.Array, jax.Array | None], jax.Array]
@@ -153,13 +153,13 @@ class Attention(nnx.Module):
         v = v.reshape(batch, seq, self.num_kv_heads, self.head_dim)
         # GQA without repeating K/V: query head n reads KV head n // (num_heads // num_kv_heads), which is what
         # diffusers' repeat_interleave of the KV heads computes.
-        if implementation in ("int8", "int8_mosaic") and rotary is not None and stacked is not None:
+        if implementation in INT8_ATTENTION and rotary is not None and stacked is not None:
             # The kernel's prologue normalises, rotates and quantizes Q and K in one pass, reading them in place from
             # the stacked product.
             out = int8_attention_from_stacked(stacked, self.num_heads, self.num_kv_heads, self.norm_q.weight[...],
                                               self.norm_k.weight[...], self.norm_q.eps, rotary, kv_lengths,
                                               implementation)
-        elif implementation in ("int8", "int8_mosaic") and rotary is not None:
+        elif implementation in INT8_ATTENTION and rotary is not None:
             out = int8_attention_from_projections(q, k, v, self.norm_q.weight[...], self.norm_k.weight[...],
                                                   self.norm_q.eps, rotary, kv_lengths, implementation)
         else:
@@ -391,7 +391,8 @@ class Krea2Transformer(nnx.Module):
     computed in `dtype`, normalisation and rotary embedding in float32.
 
     `attention` picks the attention kernel: "xla" (any device and dtype), "cudnn" (GPU, bfloat16/float16), "int8"
-    (pallas_kernels' INT8-QK kernel, Triton lowering) or "int8_mosaic" (its Hopper kernel); None chooses cuDNN on a
+    (pallas_kernels' INT8-QK kernel, Triton lowering) or "int8_mosaic" (its Hopper kernel), and these with FP8 P.V
+    ("int8_fp8", "int8_mosaic_fp8"); None chooses cuDNN on a
     GPU for 16-bit dtypes and XLA otherwise. `joint_attention` (default None: `attention`) is an `AttentionFn` that
     replaces the kernel in the joint blocks, where the long sequence is: sharding/ sets it to a sequence-parallel
     attention. The text-fusion blocks keep `attention`.

@@ -811,7 +811,7 @@ def diffusers_flux_step(args) -> list[dict]:
 # GEMM kernels (issue #7)
 
 PRECISION_CHOICES = ["bf16", "fp8", "mxfp8", "mxfp6", "mxfp4", "int8"]  # model.layers.PRECISIONS (imported late)
-ATTENTION_CHOICES = ["cudnn", "xla", "int8", "int8_mosaic"]  # model.layers.ATTENTION_KERNELS
+ATTENTION_CHOICES = ["cudnn", "xla", "int8", "int8_fp8", "int8_mosaic", "int8_mosaic_fp8"]  # layers.ATTENTION_KERNELS
 GEMM_SHAPES = ["4608x6144x6144", "4608x6144x18432", "4608x6144x32768", "4608x16384x6144", "1024x6144x6144",
                "16384x6144x6144"]
 
@@ -1137,10 +1137,13 @@ def jax_attention(args) -> list[dict]:
                             q, k, v, kv_lengths=lengths, pv=pv, block_q=bq, block_k=bk, num_warps=warps,
                             num_stages=stages))
                 for bk, stages in args.mosaic_attention_configs:
-                    variants[f"int8-QK {pv}-PV mosaic k{bk} s{stages}, {tag}"] = (
-                        lambda q, k, v, bk=bk, stages=stages, pv=pv: attention.int8_attention(
-                            q, k, v, kv_lengths=lengths, pv=pv, block_q=64, block_k=bk, num_stages=stages,
-                            backend="mosaic", out_dtype=jnp.bfloat16))  # bf16 out, as cuDNN's and the models'
+                    for accumulation in ("two_level", "in_place") if pv == "fp8" else ("two_level",):
+                        in_place = " in-place" if accumulation == "in_place" else ""
+                        variants[f"int8-QK {pv}-PV{in_place} mosaic k{bk} s{stages}, {tag}"] = (
+                            lambda q, k, v, bk=bk, stages=stages, pv=pv, acc=accumulation: attention.int8_attention(
+                                q, k, v, kv_lengths=lengths, pv=pv, block_q=64, block_k=bk, num_stages=stages,
+                                backend="mosaic", out_dtype=jnp.bfloat16,  # bf16 out, as cuDNN's and the models'
+                                pv_accumulation=acc))
             # From raw projections: XLA's RMSNorm + rotary then cuDNN, against the INT8 kernel with its fused prologue.
             norm = jnp.zeros((d,), jnp.float32)
             angles = jnp.arange(s)[:, None] * (1.0 / 10000 ** (jnp.arange(0, d, 2) / d))

@@ -53,9 +53,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--quantized", type=Path, default=None, metavar="FILE",
                         help="the transformer's weights from this quantized checkpoint (scripts/quantize.py) instead "
                              "of --model's transformer/ folder; its matrices run through the low-precision GEMM kernels")
-    parser.add_argument("--attention", choices=["cudnn", "xla", "int8", "int8_mosaic"], default=None,
+    parser.add_argument("--attention", choices=["cudnn", "xla", "int8", "int8_fp8", "int8_mosaic", "int8_mosaic_fp8"],
+                        default=None,
                         help="the attention kernel (default cuDNN on a GPU, XLA elsewhere; int8: INT8-QK, Triton "
-                             "lowering; int8_mosaic: INT8-QK, Hopper)")
+                             "lowering; int8_mosaic: INT8-QK, Hopper; _fp8: with P.V in FP8, faster, less exact)")
     parser.add_argument("--offload", type=int, default=None, metavar="RESIDENT",
                         help="a GPU smaller than the model: keep the first RESIDENT transformer blocks on the "
                              "device and stream the others from host memory, loaded straight there (in --precision's or "

@@ -152,17 +152,18 @@ def test_mosaic_kernel_writes_bf16_directly():
     np.testing.assert_array_equal(np.asarray(bf16), np.asarray(f32.astype(jnp.bfloat16)))
 
 
-@pytest.mark.parametrize("d, pv, p_in_smem, block_k, num_stages, out_dtype", [
-    (128, "bf16", False, 128, 2, jnp.float32),  # the fast path: P from registers
-    (128, "bf16", False, 128, 3, jnp.bfloat16),  # bf16 output: three stages fit in shared memory
-    (64, "bf16", False, 128, 3, jnp.float32),
-    (128, "bf16", True, 64, 2, jnp.float32),
-    (128, "fp8", True, 128, 2, jnp.float32),
-    (64, "fp8", True, 64, 2, jnp.bfloat16),
-    (128, "fp8", False, 128, 2, jnp.bfloat16),  # FP8 P from registers (`_p_as_8bit_operand`), the GPU's default
-    (64, "fp8", False, 64, 3, jnp.float32),
+@pytest.mark.parametrize("d, pv, p_in_smem, block_k, num_stages, out_dtype, accumulation", [
+    (128, "bf16", False, 128, 2, jnp.float32, "two_level"),  # the fast path: P from registers
+    (128, "bf16", False, 128, 3, jnp.bfloat16, "two_level"),  # bf16 output: three stages fit in shared memory
+    (64, "bf16", False, 128, 3, jnp.float32, "two_level"),
+    (128, "bf16", True, 64, 2, jnp.float32, "two_level"),
+    (128, "fp8", True, 128, 2, jnp.float32, "two_level"),
+    (64, "fp8", True, 64, 2, jnp.bfloat16, "two_level"),
+    (128, "fp8", False, 128, 2, jnp.bfloat16, "two_level"),  # FP8 P from registers (`_p_as_8bit_operand`)
+    (64, "fp8", False, 64, 3, jnp.float32, "two_level"),
+    (128, "fp8", False, 128, 2, jnp.bfloat16, "in_place"),  # FP8 P.V accumulated in place (the models')
 ])
-def test_mosaic_kernel_lowers_for_the_gpu(d, pv, p_in_smem, block_k, num_stages, out_dtype):
+def test_mosaic_kernel_lowers_for_the_gpu(d, pv, p_in_smem, block_k, num_stages, out_dtype, accumulation):
     """Mosaic GPU's own lowering (layouts, wgmma operand checks, TMA slices) runs in Python, so the CPU can check
     that every variant lowers, including those the interpreter cannot run. Not checked: LLVM/ptxas, and speed."""
     from mxdit.pallas_kernels import attention as A
@@ -171,7 +172,8 @@ def test_mosaic_kernel_lowers_for_the_gpu(d, pv, p_in_smem, block_k, num_stages,
     lengths = jnp.asarray([300, 150])
     qi, qs, ki, ks, v32, _ = A._prologue(q, k, v, lengths, 64, block_k, d**-0.5)
     lowered = A._int8_attention_mosaic(qi, qs, ki, ks, v32, lengths, pv=pv, block_k=block_k, num_stages=num_stages,
-                                       p_in_smem=p_in_smem, lower_only=True, out_dtype=out_dtype)
+                                       p_in_smem=p_in_smem, lower_only=True, out_dtype=out_dtype,
+                                       pv_accumulation=accumulation)
     assert "mosaic_gpu" in lowered.as_text()
 
 
@@ -223,12 +225,23 @@ def test_mosaic_backend_names_its_limits():
         int8_attention(q, k, v, block_q=128, backend="mosaic", interpret=True)
     with pytest.raises(ValueError, match="backend must be"):
         int8_attention(q, k, v, backend="cuda")
+    from mxdit.pallas_kernels import attention as A
+
+    qi, qs, ki, ks, v32, _ = A._prologue(q, k, v, None, 64, 64, 0.125)
+    for pv, p_in_smem, accumulation in (("fp8", False, "fresh"), ("bf16", False, "in_place"),
+                                        ("fp8", True, "in_place")):
+        with pytest.raises(ValueError, match="pv_accumulation"):
+            A._int8_attention_mosaic(qi, qs, ki, ks, v32, None, pv=pv, block_k=64, num_stages=2, p_in_smem=p_in_smem,
+                                     pv_accumulation=accumulation, lower_only=True)
+    with pytest.raises(ValueError, match="mosaic backend's"):
+        int8_attention(q, k, v, pv="fp8", pv_accumulation="in_place")
 
 
-@pytest.mark.parametrize("kernel, head_dim", [("int8", 32), ("int8_mosaic", 64)])
+@pytest.mark.parametrize("kernel, head_dim", [("int8", 32), ("int8_mosaic_fp8", 64)])
 def test_krea2_transformer_runs_on_the_int8_attention_kernel(kernel, head_dim):
-    """The model switch: `attention="int8"` (or "int8_mosaic") takes the Pallas kernel (interpret mode on the CPU) in
-    every block, and the velocity stays within the INT8-QK error of exact attention."""
+    """The model switch: `attention="int8"` (or "int8_mosaic_fp8": the Hopper kernel, FP8 P.V) takes the Pallas
+    kernel (interpret mode on the CPU) in every block, and the velocity stays within the INT8-QK error of exact
+    attention for its P.V precision."""
     from flax import nnx
 
     from mxdit.model.krea2 import Krea2Config, Krea2Transformer
@@ -251,7 +264,7 @@ def test_krea2_transformer_runs_on_the_int8_attention_kernel(kernel, head_dim):
     model.attention = kernel
     quantized = model(*args)
     assert cosine(quantized, reference) > 0.999
-    assert relative_l1(quantized, reference) < BOUNDS["bf16"]
+    assert relative_l1(quantized, reference) < BOUNDS["fp8" if kernel.endswith("_fp8") else "bf16"]
     # stacked QKVG: the prologue reads Q and K in place from the stacked product; the same velocity
     from mxdit.model.krea2 import stack_projections
 
@@ -347,15 +360,16 @@ def test_compute_warpgroup_registers_fit_the_sm():
         assert compute_registers(wgs) % 8 == 0 and wgs * 128 * compute_registers(wgs) + 128 * 40 <= 65536
 
 
-def test_int32_to_float32_by_bits_is_exact_over_the_int8_product_range():
-    """The Mosaic kernel's conversion of Q.K^T (integer add + float subtract, not the slow convert instruction) is
-    exact for every product of 256 INT8 pairs, the largest head_dim it takes."""
-    from mxdit.pallas_kernels.attention import _int32_to_float32
+def test_int32_to_biased_float32_by_bits_is_exact_over_the_int8_product_range():
+    """The Mosaic kernel's conversion of Q.K^T (an integer add, not the slow convert instruction) gives x + 1.5 * 2^23
+    exactly for every product of 256 INT8 pairs, the largest head_dim it takes."""
+    from mxdit.pallas_kernels.attention import _MAGIC_FLOAT, _int32_to_biased_float32
 
     bound = 256 * 127 * 127
     x = jnp.concatenate([jnp.arange(-2000, 2000, dtype=jnp.int32), jnp.array([bound, -bound, bound - 1], jnp.int32),
                          jax.random.randint(jax.random.key(0), (100_000,), -bound, bound + 1, jnp.int32)])
-    np.testing.assert_array_equal(np.asarray(jax.jit(_int32_to_float32)(x)), np.asarray(x).astype(np.float32))
+    biased = jax.jit(_int32_to_biased_float32)(x)
+    np.testing.assert_array_equal(np.asarray(biased - _MAGIC_FLOAT), np.asarray(x).astype(np.float32))
 
 
 
@@ -377,3 +391,27 @@ def test_fused_attention_reads_q_k_v_in_place_from_a_stacked_projection(backend,
     np.testing.assert_array_equal(np.asarray(stacked), np.asarray(separate))
     with pytest.raises(ValueError, match="not 4 \\+ 2 x 2 heads of 64"):
         A.int8_attention_fused_stacked(qkvg[..., :7 * d], h, 2, nq, nk, 1e-6, cos, sin, **options)
+
+
+@pytest.mark.parametrize("kernel", ["int8_fp8", "int8_mosaic", "int8_mosaic_fp8"])
+def test_models_int8_options_reach_the_jitted_kernels_as_static_arguments(monkeypatch, kernel):
+    """On the GPU the models call the INT8 kernels under their own jit (`layers._jitted_kernel`), where every option
+    `_int8_options` gives (strings: pv, backend, pv_accumulation) must be static; on the CPU the kernels run unjitted,
+    so only tracing the jitted entry points, with the GPU's options, finds one that is not (as happened once)."""
+    from mxdit.model import layers
+
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    options = layers._int8_options(kernel)
+    assert options["pv"] == ("fp8" if kernel.endswith("_fp8") else "bf16")
+    if kernel == "int8_mosaic_fp8":
+        assert options["pv_accumulation"] == "in_place"
+    q, k, v = inputs(9, b=1, sq=128, sk=128, h=2, hk=1, d=64)
+    norm = jnp.zeros((64,), jnp.float32)
+    cos, sin = jnp.ones((128, 64), jnp.float32), jnp.zeros((128, 64), jnp.float32)
+    lengths = jnp.asarray([100])
+    layers._jitted_kernel("int8_attention").trace(q, k, v, kv_lengths=lengths, out_dtype=jnp.bfloat16, **options)
+    layers._jitted_kernel("int8_attention_fused").trace(q, k, v, norm, norm, 1e-6, cos, sin, kv_lengths=lengths,
+                                                        out_dtype=jnp.bfloat16, **options)
+    qkv = jnp.concatenate([q, k, v], axis=2).reshape(1, 128, 4 * 64)
+    layers._jitted_kernel("int8_attention_fused_stacked").trace(qkv, 2, 1, norm, norm, 1e-6, cos, sin,
+                                                                kv_lengths=lengths, out_dtype=jnp.bfloat16, **options)
