@@ -28,7 +28,7 @@ from .layers import (INT8_ATTENTION, FP8Activations, Linear, apply_rotary, atten
                      int8_attention_from_stacked, remat_call, rotary_tables, shard_activation, stacked_linear)
 from .loading import CheckpointError, config_from_dict, load_state, open_checkpoint, read_json
 
-AttentionImpl = Literal["xla", "cudnn", "int8", "int8_fp8", "int8_mosaic", "int8_mosaic_fp8"]  # layers.ATTENTION_KERNELS
+AttentionImpl = Literal["xla", "cudnn", "int8", "int8_fp8", "int8_mosaic", "int8_mosaic_fp8"]  # ATTENTION_KERNELS
 # An attention function (q, k, v, kv_lengths) -> out in place of a kernel name, e.g. sharding/'s sequence-parallel
 # attention: q (batch, seq, heads, head_dim), k and v (batch, seq, kv_heads, head_dim), out shaped as q.
 AttentionFn = Callable[[jax.Array, jax.Array, jax.Array, jax.Array | None], jax.Array]

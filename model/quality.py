@@ -52,13 +52,14 @@ class QualityRow:
 
 def krea2_quality(pipe: Krea2Pipeline, formats: Sequence[str], prompts: Sequence[str], seeds: Sequence[int], *,
                   height: int, width: int, steps: int | None = None, max_sequence_length: int = 512,
-                  activations: bool = False, kernels: bool = False) -> list[QualityRow]:
+                  activations: bool = False, kernels: bool = False, attention: str | None = None) -> list[QualityRow]:
     """The seed-000-style table for a Krea 2 pipeline: per format, SSIM and PSNR of the decoded images against the
     unquantized ones (all prompts x seeds side by side), cosine etc. of the transformer's output on fixed inputs.
     Weights only, or with `activations` also the inputs of the quantized layers (rows named `fmt W+A`, the inputs
     in the weights' format), or with `kernels` the inference path itself (rows `fmt GEMM`: `quantize_linear_layers`,
     the GEMM kernels' numerics with activations per token in FP8, or INT8 for INT8 weights, the projections stacked
-    as generate.py stacks them)."""
+    as generate.py stacks them), and with `attention` (a kernel name, e.g. "int8_mosaic_fp8") also that path with
+    the attention kernel (rows `fmt GEMM+attention`; the reference keeps the pipeline's own attention)."""
     kwargs = dict(height=height, width=width, num_inference_steps=steps, max_sequence_length=max_sequence_length,
                   output_type="np")
 
@@ -85,6 +86,10 @@ def krea2_quality(pipe: Krea2Pipeline, formats: Sequence[str], prompts: Sequence
             quantize_linear_layers(gemm, rules, kernels=True)
             stack_projections(gemm)  # as generate.py runs it: stacked projections, SwiGLU in the FP8 GEMM's epilogue
             variants.append((f"{fmt} GEMM", gemm))
+            if attention is not None:
+                with_attention = nnx.clone(gemm)
+                with_attention.attention = attention
+                variants.append((f"{fmt} GEMM+{attention}", with_attention))
         for name, model in variants:
             quantized = Krea2Pipeline(model, pipe.vae, pipe.text_encoder, pipe.tokenizer, pipe.config)
             report = evaluate(fmt, velocity(model), reference_velocity, images(quantized), reference_images)
@@ -95,15 +100,16 @@ def krea2_quality(pipe: Krea2Pipeline, formats: Sequence[str], prompts: Sequence
 def format_table(rows: Sequence[QualityRow]) -> str:
     """format | SSIM vs the unquantized images | relative SSIM | PSNR | DiT output cosine and rel. L2 | weights | gate.
     The reference is the unquantized model itself, so relative SSIM (the seed's "relative quality") is SSIM / 1."""
-    lines = [f"{'format':<16}{'SSIM':>8}{'rel SSIM':>10}{'PSNR dB':>9}{'DiT cos':>10}{'DiT relL2':>11}{'weights MB':>12}"
-             "  gate"]
+    width = max([16] + [len(row.fmt) + 2 for row in rows])
+    lines = [f"{'format':<{width}}{'SSIM':>8}{'rel SSIM':>10}{'PSNR dB':>9}{'DiT cos':>10}{'DiT relL2':>11}"
+             f"{'weights MB':>12}  gate"]
     for row in rows:
         if row.report is None:
-            lines.append(f"{row.fmt:<16}{1.0:8.4f}{'100.0%':>10}{'inf':>9}{1.0:10.6f}{0.0:11.4f}"
+            lines.append(f"{row.fmt:<{width}}{1.0:8.4f}{'100.0%':>10}{'inf':>9}{1.0:10.6f}{0.0:11.4f}"
                          f"{row.weight_bytes / 1e6:12.2f}  -")
             continue
         r = row.report
         gate = "pass" if r.passed else "FAIL: " + "; ".join(r.failures)
-        lines.append(f"{row.fmt:<16}{r.ssim:8.4f}{100 * r.ssim:9.1f}%{r.psnr:9.2f}{r.cosine:10.6f}{r.relative_l2:11.4f}"
-                     f"{row.weight_bytes / 1e6:12.2f}  {gate}")
+        lines.append(f"{row.fmt:<{width}}{r.ssim:8.4f}{100 * r.ssim:9.1f}%{r.psnr:9.2f}{r.cosine:10.6f}"
+                     f"{r.relative_l2:11.4f}{row.weight_bytes / 1e6:12.2f}  {gate}")
     return "\n".join(lines)

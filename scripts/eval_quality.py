@@ -31,6 +31,8 @@ def main(argv=None) -> int:
     parser.add_argument("--activations", action="store_true", help="also rows with the layers' inputs quantized (W+A)")
     parser.add_argument("--kernels", action="store_true",
                         help="also rows through the inference path: the GEMM kernels' numerics (generate.py --precision)")
+    parser.add_argument("--attention", choices=["int8", "int8_fp8", "int8_mosaic", "int8_mosaic_fp8"], default=None,
+                        help="with --kernels: also rows with this attention kernel (generate.py --attention)")
     args = parser.parse_args(argv)
 
     import jax.numpy as jnp
@@ -39,6 +41,8 @@ def main(argv=None) -> int:
     from mxdit.model.pipeline_krea2 import Krea2Pipeline, demo_pipeline
     from mxdit.model.quality import format_table, krea2_quality
 
+    if args.attention and not args.kernels:
+        parser.error("--attention: only with --kernels (it adds rows to the inference path's)")
     size = args.size or (64 if args.demo else 1024)
     if size % 16:
         parser.error(f"--size {size}: must be a multiple of 16")
@@ -54,7 +58,7 @@ def main(argv=None) -> int:
     rows = krea2_quality(pipe, args.formats, args.prompt or ["a red fox in the snow, photo"], args.seeds,
                          height=size, width=size, steps=args.steps or (2 if args.demo else None),
                          max_sequence_length=args.max_sequence_length or (64 if args.demo else 512),
-                         activations=args.activations, kernels=args.kernels)
+                         activations=args.activations, kernels=args.kernels, attention=args.attention)
     print(format_table(rows))
     return 0
 

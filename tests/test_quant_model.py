@@ -129,3 +129,20 @@ def test_quality_table_on_the_demo_model(tmp_path):
     assert 0 < fp4.ssim <= 1 and fp4.psnr > 0
     assert rows[4].weight_bytes < rows[1].weight_bytes < rows[0].weight_bytes
     assert "mxfp4_e2m1 W+A" in format_table(rows)
+
+
+def test_quality_rows_with_an_attention_kernel(tmp_path):
+    """eval_quality --kernels --attention: the inference path's row again with the INT8 attention (FP8 P.V, Triton in
+    interpret mode here) in every block, gated like its format: the kernel must really run (the velocity moves) and
+    stay close (random demo weights: a path check, not a quality claim)."""
+    from mxdit.model.pipeline_krea2 import demo_pipeline
+    from mxdit.model.quality import format_table, krea2_quality
+
+    pipe = demo_pipeline(tmp_path / "tokenizer", dtype=jnp.float32)
+    rows = krea2_quality(pipe, ["fp8_e4m3"], ["a red fox"], [0], height=32, width=32, steps=1, max_sequence_length=16,
+                         kernels=True, attention="int8_fp8")
+    assert [r.fmt for r in rows] == ["reference", "fp8_e4m3", "fp8_e4m3 GEMM", "fp8_e4m3 GEMM+int8_fp8"]
+    gemm, with_attention = rows[2].report, rows[3].report
+    assert with_attention.nonfinite == 0 and with_attention.cosine > 0.99
+    assert with_attention.cosine != gemm.cosine
+    assert "fp8_e4m3 GEMM+int8_fp8" in format_table(rows)
