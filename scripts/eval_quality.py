@@ -16,6 +16,7 @@ from pathlib import Path
 
 
 def main(argv=None) -> int:
+    from mxdit.model.layers import INT8_ATTENTION
     from mxdit.quant.formats import formats
 
     parser = argparse.ArgumentParser(prog="eval_quality.py", description=__doc__.splitlines()[0])
@@ -31,7 +32,7 @@ def main(argv=None) -> int:
     parser.add_argument("--activations", action="store_true", help="also rows with the layers' inputs quantized (W+A)")
     parser.add_argument("--kernels", action="store_true",
                         help="also rows through the inference path: the GEMM kernels' numerics (generate.py --precision)")
-    parser.add_argument("--attention", choices=["int8", "int8_fp8", "int8_mosaic", "int8_mosaic_fp8"], default=None,
+    parser.add_argument("--attention", choices=INT8_ATTENTION, default=None,
                         help="with --kernels: also rows with this attention kernel (generate.py --attention)")
     args = parser.parse_args(argv)
 

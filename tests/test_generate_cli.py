@@ -227,3 +227,21 @@ def test_device_out_of_memory_is_one_line_with_what_would_fit(tmp_path, capsys, 
     with pytest.raises(jax.errors.JaxRuntimeError, match="something else"):
         generate.main(["--demo", "--prompt", "a fox", "--height", "64", "--width", "64", "--steps", "1",
                        "--output", str(tmp_path / "y.png")])
+
+
+def test_attention_and_precision_choices_are_the_models():
+    """generate.py and benchmark.py list the models' attention kernels and precisions themselves (importing the
+    models before parsing would slow every start): the lists must stay the models' own."""
+    from mxdit.model.layers import ATTENTION_KERNELS, PRECISIONS
+
+    spec = importlib.util.spec_from_file_location("benchmark_script", Path(generate.__file__).parent / "benchmark.py")
+    benchmark = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(benchmark)
+    assert sorted(benchmark.ATTENTION_CHOICES) == sorted(ATTENTION_KERNELS)
+    assert sorted(benchmark.PRECISION_CHOICES) == sorted(PRECISIONS)
+    for option, names in (("--attention", ATTENTION_KERNELS), ("--precision", PRECISIONS)):
+        for name in names:
+            args = generate.parse_args(["--demo", "--prompt", "a fox", option, name])
+            assert getattr(args, option[2:]) == name
+        with pytest.raises(SystemExit):
+            generate.parse_args(["--demo", "--prompt", "a fox", option, "not-a-" + option[2:]])
