@@ -71,11 +71,17 @@ def _valid_keys(kv_lengths, batch: int, kv_len: int) -> jax.Array:
     return jnp.arange(kv_len)[None, :] < _key_lengths(kv_lengths, batch, kv_len)[:, None]
 
 
-def _quantize_v_fp8(v32: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """V (batch, kv_len, kv_heads, dim) float32 per channel to E4M3, scale amax / 448 over the keys (masked keys are
-    zeroed before, so they do not enter the range). Returns the E4M3 values and the scales (batch, kv_heads, dim)."""
+def _v_fp8_scale(v32: jax.Array) -> jax.Array:
+    """V's E4M3 scales per channel, amax / 448 over the keys (masked keys are zeroed before, so they do not enter
+    the range): (batch, kv_heads, dim) from V (batch, kv_len, kv_heads, dim) float32."""
     v_amax = jnp.max(jnp.abs(v32), axis=1)
-    v_scale = jnp.where(v_amax > 0, v_amax / 448.0, 1.0)
+    return jnp.where(v_amax > 0, v_amax / 448.0, 1.0)
+
+
+def _quantize_v_fp8(v32: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """V (batch, kv_len, kv_heads, dim) float32 per channel to E4M3 (`_v_fp8_scale`). Returns the E4M3 values and
+    the scales (batch, kv_heads, dim)."""
+    v_scale = _v_fp8_scale(v32)
     return (v32 / v_scale[:, None]).astype(jnp.float8_e4m3fn), v_scale
 
 
@@ -298,10 +304,46 @@ def _pv_key_order(keys: int) -> np.ndarray:
     In the float32 accumulator's layout (WGMMA) the thread of lane c (mod 4) holds columns 2c, 2c + 1, 8 + 2c and
     9 + 2c of every 16; the 8-bit operand layout (WGMMA_8BIT) places a thread's four bytes at columns 4c .. 4c + 3.
     Regrouping the registers without moving data therefore permutes P's keys within each 16, and V^T's keys are
-    permuted the same way in XLA (the sum over keys does not depend on their order)."""
+    permuted the same way (`v_fp8_operand`; the sum over keys does not depend on their order)."""
     c = np.arange(4)
     group = np.stack([2 * c, 2 * c + 1, 8 + 2 * c, 9 + 2 * c], axis=1).reshape(16)  # position 4c + i <- key
     return (np.arange(0, keys, 16)[:, None] + group[None]).reshape(keys)
+
+
+def v_fp8_operand(v32: jax.Array, v_scale: jax.Array, block: int, *, permute_keys: bool,
+                  interpret: bool = False) -> jax.Array:
+    """V as the Mosaic kernel's FP8 P.V takes it, in one Triton pass: (batch, keys, kv_heads, dim) float32, keys a
+    multiple of `block` (a multiple of 16), divided by `v_scale` (batch, kv_heads, dim) and rounded to E4M3, out as
+    V^T (batch, kv_heads, dim, keys), the K-major layout 8-bit wgmma takes its B operand in; `permute_keys`: keys
+    in `_pv_key_order` within each 16 (key 8 * hi + 2 * c + lo to position 4 * c + 2 * hi + lo). XLA's transpose
+    (and gather) for this took 47-69 us a block in the step (session 10's profiles): 8-bit transposes with the
+    permutation inside. Each program transposes a (block, dim) tile in registers."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import triton as pltriton
+
+    b, keys, hk, d = v32.shape
+    if keys % block or block % 16:
+        raise ValueError(f"v_fp8_operand: {keys} keys must be whole blocks of {block}, a multiple of 16")
+
+    def kernel(v_ref, s_ref, o_ref):
+        y = v_ref[...] / s_ref[...][None, :]  # (block, dim) float32
+        if permute_keys:  # (16-key group, hi, c, lo, dim) -> (dim, group, c, hi, lo)
+            y = y.reshape(block // 16, 2, 4, 2, d).transpose(4, 0, 2, 1, 3).reshape(d, block)
+        else:
+            y = y.T
+        o_ref[...] = y.astype(o_ref.dtype)
+
+    return pl.pallas_call(
+        kernel,
+        grid=(b, hk, keys // block),
+        in_specs=[pl.BlockSpec((None, block, None, d), lambda bi, hi, ki: (bi, ki, hi, 0)),
+                  pl.BlockSpec((None, None, d), lambda bi, hi, ki: (bi, hi, 0))],
+        out_specs=pl.BlockSpec((None, None, d, block), lambda bi, hi, ki: (bi, hi, 0, ki)),
+        out_shape=jax.ShapeDtypeStruct((b, hk, d, keys), jnp.float8_e4m3fn),
+        compiler_params=pltriton.CompilerParams(num_warps=8, num_stages=2),
+        interpret=interpret,
+        name="v_fp8_operand",
+    )(v32, v_scale)
 
 
 def _p_as_8bit_operand(p: jax.Array) -> jax.Array:
@@ -350,12 +392,12 @@ def _int8_attention_mosaic(qi, qs, ki, ks, v32, kv_lengths, *, pv, block_k, num_
 
     P.V: "bf16" with P from registers (wgmma's A operand) and V (keys, dim) from shared memory, accumulating into
     the running accumulator in place. "fp8": V^T (dim, keys) E4M3 from shared memory (8-bit B must be K-major, so
-    the transpose happens in XLA before), P * 448 in E4M3 from registers (the 448 applied in the exponent; l sums P
-    so scaled, so acc / l cancels it), regrouped into the 8-bit operand layout with no data moved
-    (`_p_as_8bit_operand`; V's keys permuted to match in XLA); `pv_accumulation` "two_level": each key block's
-    product in a fresh accumulator, then rescale-and-add into the running float32 one; "in_place": into the running
-    accumulator itself (its adds keep fewer bits). V's channel scale is applied after the kernel. Measured at 4608
-    tokens, GQA 48/12 (session 9): two-level 735 us, in place 666, bf16 P.V 767 (cuDNN 780). `p_in_smem` (default:
+    a Triton pass transposes it before, `v_fp8_operand`), P * 448 in E4M3 from registers (the 448 applied in the
+    exponent; l sums P so scaled, so acc / l cancels it), regrouped into the 8-bit operand layout with no data moved
+    (`_p_as_8bit_operand`; V's keys permuted to match in the same pass); `pv_accumulation` "two_level": each key
+    block's product in a fresh accumulator, then rescale-and-add into the running float32 one; "in_place": into the
+    running accumulator itself (its adds keep fewer bits). V's channel scales are applied in the epilogue. Measured at
+    4608 tokens, GQA 48/12 (session 9): two-level 735 us, in place 666, bf16 P.V 767 (cuDNN 780). `p_in_smem` (default:
     only in interpret mode, whose wgmma reads operands from shared memory only) sends P, bf16 or FP8, through shared
     memory, with a fresh accumulator per block.
 
@@ -395,22 +437,28 @@ def _int8_attention_mosaic(qi, qs, ki, ks, v32, kv_lengths, *, pv, block_k, num_
     qs = jnp.pad(qs, ((0, 0), (0, 2 * n_q - qs.shape[1]), (0, 0)), constant_values=1.0).transpose(0, 2, 1)
     ks = ks.transpose(0, 2, 1)
     if pv == "fp8":
-        vb, v_scale = _quantize_v_fp8(v32)
-        vb = jnp.pad(vb, ((0, 0), (0, pad_k), (0, 0), (0, 0))).transpose(0, 2, 3, 1)  # (batch, kv_heads, dim, keys)
-        if not p_in_smem:  # P's registers read as the 8-bit operand layout order the keys so (`_p_as_8bit_operand`)
-            vb = vb[..., _pv_key_order(vb.shape[-1])]
+        def v_operand(v32):
+            """(V^T (batch, kv_heads, dim, keys) in E4M3, its channel scales); P's registers read as the 8-bit
+            operand layout order the keys so (`_p_as_8bit_operand`)."""
+            v_scale = _v_fp8_scale(v32)
+            return v_fp8_operand(jnp.pad(v32, ((0, 0), (0, pad_k), (0, 0), (0, 0))), v_scale, block_k,
+                                 permute_keys=not p_in_smem, interpret=interpret), v_scale
+
         v_block, v_transforms, p_dtype = (d, block_k), _mosaic_transforms(1, block_k), jnp.float8_e4m3fn
     else:
-        vb = jnp.pad(v32.astype(jnp.bfloat16), ((0, 0), (0, pad_k), (0, 0), (0, 0)))
+        def v_operand(v32):  # the scales are not read: bf16 V is not scaled
+            return (jnp.pad(v32.astype(jnp.bfloat16), ((0, 0), (0, pad_k), (0, 0), (0, 0))),
+                    jnp.ones((b, hk, d), jnp.float32))
+
         v_block, v_transforms, p_dtype = (block_k, d), _mosaic_transforms(2, d), jnp.bfloat16
     wgmma_layout = plgpu.Layout.WGMMA
     log2e = math.log2(math.e)
     log2_p_max = math.log2(448.0) if pv == "fp8" else 0.0  # P's fixed FP8 scale, applied in the exponent
-    # The output tile leaves in `out_dtype` (bf16 halves its shared memory and its writes), but for FP8 P.V, whose
-    # V channel scales are applied after the kernel: float32 until then.
-    kernel_out = jnp.dtype(out_dtype) if pv == "bf16" else jnp.dtype(jnp.float32)
+    # The output tile leaves in `out_dtype` (bf16 halves its shared memory and its writes); FP8 V's channel scales
+    # are applied in the kernel's epilogue, so no pass after it (40 us a block in the step, session 10's profile).
+    kernel_out = jnp.dtype(out_dtype)
 
-    def kernel(q_gmem, qs_gmem, k_gmem, ks_gmem, v_gmem, len_gmem, o_gmem, scoped):
+    def kernel(q_gmem, qs_gmem, k_gmem, ks_gmem, v_gmem, vs_gmem, len_gmem, o_gmem, scoped):
         (q_smem, k_smem, v_smem, p_smem, o_smem), (q_full, k_full, v_full), (k_free, v_free), schedule = scoped
         head, q_block, batch = lax.axis_index("heads"), lax.axis_index("q_seq"), lax.axis_index("batch")
         wg = lax.axis_index("wg")
@@ -517,7 +565,11 @@ def _int8_attention_mosaic(qi, qs, ki, ks, v32, kv_lengths, *, pv, block_k, num_
                 carry = lax.fori_loop(0, steps, functools.partial(step, masked=False), carry)
             acc, m, l = carry
             pl.when(wg == 0)(schedule_barrier)
-            o_smem.at[wg][...] = (acc * lax.broadcast_in_dim(1.0 / l, acc.shape, [0])).astype(kernel_out)
+            out = acc * lax.broadcast_in_dim(1.0 / l, acc.shape, [0])
+            if pv == "fp8":  # V's channel scales (P's 448 cancelled in acc / l), once a tile: a plain load is enough
+                v_scale = plgpu.load(vs_gmem.at[batch, kv_head], layout=wgmma_layout.reduce(0), optimized=False)
+                out = out * lax.broadcast_in_dim(v_scale, acc.shape, [1])
+            o_smem.at[wg][...] = out.astype(kernel_out)
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(o_smem.at[wg], o_gmem.at[batch, pl.ds(row0, rows), head])
             plgpu.wait_smem_to_gmem(0)
@@ -556,18 +608,18 @@ def _int8_attention_mosaic(qi, qs, ki, ks, v32, kv_lengths, *, pv, block_k, num_
                     plgpu.barrier_wait(k_free.at[i])
                     plgpu.barrier_wait(v_free.at[i])
 
-    def entry(q_gmem, qs_gmem, k_gmem, ks_gmem, v_gmem, len_gmem, o_gmem):
+    def entry(q_gmem, qs_gmem, k_gmem, ks_gmem, v_gmem, vs_gmem, len_gmem, o_gmem):
         int8_transforms = _mosaic_transforms(1, d)
         smem = [
             plgpu.SMEM((2, rows, d), jnp.int8, transforms=int8_transforms),
             plgpu.SMEM((stages, block_k, d), jnp.int8, transforms=int8_transforms),
-            plgpu.SMEM((stages, *v_block), vb.dtype, transforms=v_transforms),
+            plgpu.SMEM((stages, *v_block), p_dtype, transforms=v_transforms),
             plgpu.SMEM((2, rows, block_k), p_dtype, transforms=_mosaic_transforms(jnp.dtype(p_dtype).itemsize,
                                                                                    block_k)) if p_in_smem else None,
             plgpu.SMEM((2, rows, d), kernel_out, transforms=_mosaic_transforms(jnp.dtype(kernel_out).itemsize, d)),
         ]
         pl.run_scoped(
-            lambda *scoped: kernel(q_gmem, qs_gmem, k_gmem, ks_gmem, v_gmem, len_gmem, o_gmem, scoped),
+            lambda *scoped: kernel(q_gmem, qs_gmem, k_gmem, ks_gmem, v_gmem, vs_gmem, len_gmem, o_gmem, scoped),
             smem,
             (plgpu.Barrier(num_barriers=2), plgpu.Barrier(num_barriers=stages), plgpu.Barrier(num_barriers=stages)),
             (plgpu.Barrier(num_arrivals=2, num_barriers=stages),) * 2,
@@ -587,15 +639,12 @@ def _int8_attention_mosaic(qi, qs, ki, ks, v32, kv_lengths, *, pv, block_k, num_
         interpret=plgpu.InterpretGPUParams() if interpret else None,
     )
 
-    def run(qi, qs, ki, ks, vb, lengths):
-        out = call(qi, qs, ki, ks, vb, lengths)[:, :sq]
-        if pv == "fp8":
-            out = out * jnp.repeat(v_scale, group, axis=1)[:, None]  # P's 448 cancelled in acc / l
-        return out.astype(out_dtype)
+    def run(qi, qs, ki, ks, v32, lengths):
+        return call(qi, qs, ki, ks, *v_operand(v32), lengths)[:, :sq]
 
     if lower_only:
-        return jax.jit(run).trace(qi, qs, ki, ks, vb, lengths).lower(lowering_platforms=("cuda",))
-    return run(qi, qs, ki, ks, vb, lengths)
+        return jax.jit(run).trace(qi, qs, ki, ks, v32, lengths).lower(lowering_platforms=("cuda",))
+    return run(qi, qs, ki, ks, v32, lengths)
 
 
 # --------------------------------------------------------------------------------------------------------------------

@@ -1,3 +1,4 @@
+import types
 from pathlib import Path
 
 import numpy as np
@@ -14,3 +15,13 @@ def relative_l2(actual, expected) -> float:
 @pytest.fixture(scope="session")
 def fixtures() -> Path:
     return FIXTURES
+
+
+@pytest.fixture
+def hopper(monkeypatch):
+    """Triton-lowered kernels lower for an H100/H200-class GPU on the CPU: the Triton lowering asks the local GPU
+    for its compute capability, and this machine has none."""
+    from jax._src.pallas.triton import pallas_call_registration
+
+    monkeypatch.setattr(pallas_call_registration.gpu_info_lib, "get_gpu_info",
+                        lambda: types.SimpleNamespace(compute_capability=90))

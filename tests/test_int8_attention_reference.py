@@ -163,6 +163,7 @@ def test_mosaic_kernel_writes_bf16_directly():
     (64, "fp8", False, 64, 3, jnp.float32, "two_level"),
     (128, "fp8", False, 128, 2, jnp.bfloat16, "in_place"),  # FP8 P.V accumulated in place (the models')
 ])
+@pytest.mark.usefixtures("hopper")  # FP8 P.V's V operand is a Triton pass
 def test_mosaic_kernel_lowers_for_the_gpu(d, pv, p_in_smem, block_k, num_stages, out_dtype, accumulation):
     """Mosaic GPU's own lowering (layouts, wgmma operand checks, TMA slices) runs in Python, so the CPU can check
     that every variant lowers, including those the interpreter cannot run. Not checked: LLVM/ptxas, and speed."""
@@ -217,6 +218,23 @@ def test_fp8_p_registers_read_as_the_8bit_operand_hold_p_in_pv_key_order():
     assert sorted(order) == list(range(128))
 
 
+@pytest.mark.parametrize("permute_keys", [False, True])
+def test_v_fp8_operand_kernel_gives_v_transposed_and_in_pv_key_order(permute_keys):
+    """The Triton pass that makes FP8 P.V's V operand: V / scale in E4M3, transposed to (dim, keys), the keys in
+    `_pv_key_order` for P from registers; the same bytes as XLA's quantization, transpose and gather."""
+    from mxdit.pallas_kernels.attention import _pv_key_order, _quantize_v_fp8, _v_fp8_scale, v_fp8_operand
+
+    v32 = jax.random.normal(jax.random.key(3), (2, 64, 3, 32)) * jnp.arange(1, 33)
+    v8, scale = _quantize_v_fp8(v32)
+    want = np.asarray(v8.transpose(0, 2, 3, 1).astype(jnp.float32))
+    if permute_keys:
+        want = want[..., _pv_key_order(64)]
+    got = v_fp8_operand(v32, _v_fp8_scale(v32), 32, permute_keys=permute_keys, interpret=True)
+    assert got.dtype == jnp.float8_e4m3fn
+    np.testing.assert_array_equal(np.asarray(got.astype(jnp.float32)), want)
+
+
+@pytest.mark.usefixtures("hopper")
 def test_mosaic_backend_names_its_limits():
     from mxdit.pallas_kernels.attention import int8_attention
 

@@ -3,8 +3,6 @@ lowering to Triton IR runs in Python, so unsupported operations, block shapes an
 in scarce GPU time (as `test_mosaic_kernel_lowers_for_the_gpu` does for the Mosaic kernels). Not checked: Triton's
 own compilation to PTX, and speed."""
 
-import types
-
 import jax
 import jax.numpy as jnp
 import pytest
@@ -13,13 +11,7 @@ from mxdit.pallas_kernels import activations as A
 from mxdit.pallas_kernels import attention, gemm
 
 
-@pytest.fixture(autouse=True)
-def hopper(monkeypatch):
-    """The Triton lowering asks the local GPU for its compute capability; this machine has none."""
-    from jax._src.pallas.triton import pallas_call_registration
-
-    monkeypatch.setattr(pallas_call_registration.gpu_info_lib, "get_gpu_info",
-                        lambda: types.SimpleNamespace(compute_capability=90))
+pytestmark = pytest.mark.usefixtures("hopper")  # conftest.py: the compute capability the lowering asks for
 
 
 def lowers(fn, *shapes):
