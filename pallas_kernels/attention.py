@@ -687,21 +687,27 @@ def int8_qk_prologue(q, k, norm_q, norm_k, eps: float, cos, sin, kv_lengths=None
 def int8_qk_prologue_stacked(qkv, num_heads: int, num_kv_heads: int, norm_q, norm_k, eps: float, cos, sin,
                              kv_lengths=None, *, scale: float, block_q: int = 64, block_k: int = 64,
                              smooth_k: bool = True, interpret: bool = False, heads_per_program: int = 1,
-                             num_warps: int = 8, split_pairs: bool = False):
+                             num_warps: int | None = None, split_pairs: bool = False):
     """`int8_qk_prologue` with Q and K read in place from one stacked projection (batch, seq, H, head_dim), whose
     heads are [Q (num_heads) | K (num_kv_heads) | ...]: no copy of Q or K sliced out of it first.
-    `heads_per_program`, `num_warps`, `split_pairs`: the kernel's (see `_rms_rope_quantize`; `benchmark.py
-    qk-prologue` times them)."""
+    `heads_per_program`, `num_warps` (both passes; None: `PROLOGUE_WARPS`), `split_pairs`: the kernel's (see
+    `_rms_rope_quantize`; `benchmark.py qk-prologue` times them)."""
     return _qk_prologue(qkv, (0, num_heads), qkv, (num_heads, num_kv_heads), norm_q, norm_k, eps, cos, sin,
                         kv_lengths, scale=scale, block_q=block_q, block_k=block_k, smooth_k=smooth_k,
                         interpret=interpret, heads_per_program=heads_per_program, num_warps=num_warps,
                         split_pairs=split_pairs)
 
 
+# Warps a program of the Q and of the K pass: at Krea 2's 4224 tokens (48 Q, 12 K heads, `benchmark.py qk-prologue`,
+# sessions 8 and 10) Q took 73 us with 16 and 96 with 8; K 27 with 8 and 42 with 16 (the same codes).
+PROLOGUE_WARPS = (16, 8)
+
+
 def _qk_prologue(q_src, q_heads, k_src, k_heads, norm_q, norm_k, eps, cos, sin, kv_lengths, *, scale, block_q,
-                 block_k, smooth_k, interpret, heads_per_program: int = 1, num_warps: int = 8,
+                 block_k, smooth_k, interpret, heads_per_program: int = 1, num_warps: int | None = None,
                  split_pairs: bool = False):
-    """The prologue on heads [first, first + count) of `q_src` and `k_src` (`q_heads`, `k_heads`)."""
+    """The prologue on heads [first, first + count) of `q_src` and `k_src` (`q_heads`, `k_heads`); `num_warps` for
+    both passes (None: `PROLOGUE_WARPS`)."""
     b, s, _, d = q_src.shape
     (_, h), (k_first, hk) = q_heads, k_heads
     cos = jnp.broadcast_to(cos, (b, s, d)).astype(jnp.float32)[..., 0::2]  # pairs share a frequency: half the table
@@ -714,11 +720,12 @@ def _qk_prologue(q_src, q_heads, k_src, k_heads, norm_q, norm_k, eps, cos, sin, 
         k_mean = jnp.sum(k32, axis=1) / jnp.maximum(valid.sum(axis=1), 1)[:, None, None]
     lengths = _key_lengths(kv_lengths, b, s)
     q_mean = jnp.zeros((b, h, d), jnp.float32)
-    kernel = functools.partial(_rms_rope_quantize, num_warps=num_warps, heads_per_program=heads_per_program,
-                               split_pairs=split_pairs)
-    qi, qs = kernel(q_src, norm_q, eps, cos, sin, q_mean, None, scale, block_q, interpret, heads=q_heads)
+    q_warps, k_warps = PROLOGUE_WARPS if num_warps is None else (num_warps, num_warps)
+    kernel = functools.partial(_rms_rope_quantize, heads_per_program=heads_per_program, split_pairs=split_pairs)
+    qi, qs = kernel(q_src, norm_q, eps, cos, sin, q_mean, None, scale, block_q, interpret, heads=q_heads,
+                    num_warps=q_warps)
     ki, ks = kernel(k_src, norm_k, eps, cos, sin, _deinterleave(k_mean), lengths, 1.0, block_k, interpret,
-                    heads=k_heads)
+                    heads=k_heads, num_warps=k_warps)
     return qi, qs, ki, ks
 
 
