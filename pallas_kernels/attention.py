@@ -201,19 +201,21 @@ def _int8_attention_kernel(qi, qs, ki, ks, v32, kv_lengths, *, pv, block_q, bloc
     b, sq, h, d = qi.shape
     sk, hk = ki.shape[1], ki.shape[2]
     group = h // hk
-    if pv == "fp8":
-        vb, v_scale = _quantize_v_fp8(v32)
-    else:
-        v_scale = jnp.ones((b, hk, d), jnp.float32)
-        vb = v32.astype(jnp.bfloat16)
     lengths = _key_lengths(kv_lengths, b, sk)
     pad_q, pad_k = (-sq) % block_q, (-sk) % block_k
     # (batch, heads, seq, dim) layouts padded to whole blocks; scales (batch, heads, blocks)
     qi = jnp.pad(qi, ((0, 0), (0, pad_q), (0, 0), (0, 0))).transpose(0, 2, 1, 3)
     ki = jnp.pad(ki, ((0, 0), (0, pad_k), (0, 0), (0, 0))).transpose(0, 2, 1, 3)
-    # FP8 V goes in as (dim, seq): K-major, the layout Hopper's 8-bit wgmma takes its B operand in (with V as
-    # (seq, dim) the Triton lowering's FP8 P.V was wrong on the H200, rel L1 0.13, though right in interpret mode).
-    vb = jnp.pad(vb, ((0, 0), (0, pad_k), (0, 0), (0, 0))).transpose((0, 2, 3, 1) if pv == "fp8" else (0, 2, 1, 3))
+    v32 = jnp.pad(v32, ((0, 0), (0, pad_k), (0, 0), (0, 0)))
+    if pv == "fp8":
+        # FP8 V goes in as (dim, seq): K-major, the layout Hopper's 8-bit wgmma takes its B operand in (with V as
+        # (seq, dim) the Triton lowering's FP8 P.V was wrong on the H200, rel L1 0.13, though right in interpret
+        # mode); made by the Mosaic kernel's pass, without its key permutation.
+        v_scale = _v_fp8_scale(v32)
+        vb = v_fp8_operand(v32, v_scale, block_k, permute_keys=False, interpret=interpret)
+    else:
+        v_scale = jnp.ones((b, hk, d), jnp.float32)
+        vb = v32.astype(jnp.bfloat16).transpose(0, 2, 1, 3)
     qs, ks = qs.transpose(0, 2, 1), ks.transpose(0, 2, 1)
     n_q, n_k = qi.shape[2] // block_q, ki.shape[2] // block_k
 

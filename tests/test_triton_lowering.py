@@ -54,10 +54,11 @@ def test_qk_prologue_lowers_with_heads_grouped(heads_per_program, split_pairs):
                   ((1,), jnp.int32))
 
 
-def test_int8_attention_triton_kernel_lowers():
+@pytest.mark.parametrize("pv", ["bf16", "fp8"])
+def test_int8_attention_triton_kernel_lowers(pv):
     q, kv = ((1, 256, 4, 64), BF16), ((1, 256, 2, 64), BF16)
-    assert lowers(lambda q, k, v, n: attention.int8_attention(q, k, v, kv_lengths=n, backend="triton"), q, kv, kv,
-                  ((1,), jnp.int32))
+    assert lowers(lambda q, k, v, n: attention.int8_attention(q, k, v, kv_lengths=n, pv=pv, backend="triton"), q, kv,
+                  kv, ((1,), jnp.int32))
 
 
 @pytest.mark.parametrize("fmt, activation", [("fp8_e4m3", "none"), ("fp8_e4m3", "swiglu"), ("mxfp4_e2m1", "none"),
