@@ -187,8 +187,7 @@ def test_offload_streams_blocks(tmp_path, capsys):
     assert code == 0, captured.err
     code, captured = run(common + ["--output", str(tmp_path / "s.png")], capsys)
     assert code == 0, captured.err
-    streamed, resident = (np.asarray(Image.open(tmp_path / f), np.int16) for f in ("so.png", "s.png"))
-    np.testing.assert_array_equal(streamed, resident)
+    assert_same_image_up_to_rounding(tmp_path / "so.png", tmp_path / "s.png")
     # FLUX.1: the last single block streamed (the 2 double and the first single resident), the same image
     flux = ["--model", str(FIXTURES / "flux" / "tiny_pipeline"), "--prompt", "a red fox", "--height", "64", "--width",
             "80", "--steps", "2", "--dtype", "fp32", "--max-sequence-length", "16"]
@@ -197,8 +196,18 @@ def test_offload_streams_blocks(tmp_path, capsys):
         code, captured = run(flux + extra + ["--output", str(tmp_path / name)], capsys)
         assert code == 0, captured.err
     for pair in (("fo.png", "f.png"), ("fo8.png", "f8.png")):  # FP8: GELU and the gated residuals in the epilogues
-        streamed, resident = (np.asarray(Image.open(tmp_path / f), np.int16) for f in pair)
-        np.testing.assert_array_equal(streamed, resident)
+        assert_same_image_up_to_rounding(*(tmp_path / f for f in pair))
+
+
+def assert_same_image_up_to_rounding(streamed_png, resident_png):
+    """Streamed blocks run as per-block programs, the resident model as one: XLA rounds them differently in the last
+    float32 bits (FLUX.1's tiny transformer, streamed vs whole, on an AMD EPYC in session 10: relative L2 2.1e-7 in
+    float32, 4.4e-7 with FP8 weights), and the 8-bit image (or a per-token FP8 code) flips where a value sits on a
+    rounding boundary: there 1 pixel of 15360, one level apart (on the earlier machines, none). A streaming bug (a
+    block skipped, run twice, or with another block's weights) changes most pixels."""
+    streamed, resident = (np.asarray(Image.open(f), np.int16) for f in (streamed_png, resident_png))
+    differ = streamed != resident
+    assert np.abs(streamed - resident).max() <= 1 and differ.mean() <= 1e-3, (differ.sum(), differ.size)
 
 
 def test_device_out_of_memory_is_one_line_with_what_would_fit(tmp_path, capsys, monkeypatch):
