@@ -18,6 +18,7 @@ checkpoint that scripts/quantize.py wrote instead.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import tempfile
 import time
@@ -26,6 +27,11 @@ from pathlib import Path
 from mxdit.cli import DTYPES, OneLineErrorParser, add_device_arguments, check_device_arguments, mesh_from_arguments
 
 MIN_SIDE, MAX_SIDE, MULTIPLE = 64, 4096, 16
+
+
+def default_compile_cache() -> Path:
+    """Where compiled programs are kept between runs: the XDG cache folder's `mxdit/jax`."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "mxdit" / "jax"
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -64,8 +70,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--prefetch", type=int, default=2, metavar="N",
                         help="with --offload: copy streamed blocks N blocks ahead (N + 1 blocks' device memory); more "
                              "hides more of the copies when there is room (NOTES.md, session 8)")
-    parser.add_argument("--compile-cache", type=Path, default=Path.home() / ".cache" / "mxdit" / "jax",
-                        help="JAX's persistent compilation cache, so that a second run starts fast ('' : off)")
+    parser.add_argument("--compile-cache", type=Path, default=default_compile_cache(),
+                        help="JAX's persistent compilation cache, so that a second run starts fast ('' : off; "
+                             "default: $XDG_CACHE_HOME/mxdit/jax, or ~/.cache/mxdit/jax)")
     parser.add_argument("--tiled-decode", action="store_true", help="decode the VAE in tiles (large images)")
     parser.add_argument("--progress", action="store_true",
                         help="a progress bar per denoising step (waits for each step; without it all steps run as "

@@ -1,3 +1,7 @@
+import atexit
+import os
+import shutil
+import tempfile
 import types
 from pathlib import Path
 
@@ -5,6 +9,11 @@ import numpy as np
 import pytest
 
 FIXTURES = Path(__file__).parent / "fixtures"
+
+# generate.py keeps compiled programs in $XDG_CACHE_HOME/mxdit: the tests' go to a folder of their own run (shared by
+# its tests and child processes), never to the user's cache, and every run starts as a fresh machine would.
+os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="mxdit-test-cache-")
+atexit.register(shutil.rmtree, os.environ["XDG_CACHE_HOME"], ignore_errors=True)
 
 
 def relative_l2(actual, expected) -> float:
