@@ -255,7 +255,10 @@ def test_mosaic_backend_names_its_limits():
         int8_attention(q, k, v, pv="fp8", pv_accumulation="in_place")
 
 
-@pytest.mark.parametrize("kernel, head_dim", [("int8", 32), ("int8_mosaic_fp8", 64)])
+# The Triton kernel's model run is slow-marked: test_quality_rows_with_an_attention_kernel runs it in every block of
+# the demo model by default.
+@pytest.mark.parametrize("kernel, head_dim", [pytest.param("int8", 32, marks=pytest.mark.slow),
+                                              ("int8_mosaic_fp8", 64)])
 def test_krea2_transformer_runs_on_the_int8_attention_kernel(kernel, head_dim):
     """The model switch: `attention="int8"` (or "int8_mosaic_fp8": the Hopper kernel, FP8 P.V) takes the Pallas
     kernel (interpret mode on the CPU) in every block, and the velocity stays within the INT8-QK error of exact

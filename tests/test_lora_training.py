@@ -261,6 +261,7 @@ def test_cli_demo_trains_and_bad_arguments_exit_with_one_line(photos, tmp_path, 
 FLUX_PIPELINE = Path(__file__).parent / "fixtures" / "flux" / "tiny_pipeline"
 
 
+@pytest.mark.slow  # ~25 s on 2 cores; test_flux_remat_changes_memory_not_the_gradients trains FLUX.1 by default
 def test_flux_lora_trains_from_the_command_line(photos, tmp_path, capsys):
     """The FLUX folder is recognised by its model_index.json; the default targets are FLUX's attention and MLPs; the
     loss falls; the LoRA file holds diffusers' FLUX key names and loads back onto a fresh transformer."""

@@ -32,7 +32,9 @@ def test_krea2_rules_quantize_the_block_matrices_and_keep_the_rest(tiny_params):
     assert len(quantized) == (2 + 2 + 2) * 8  # joint, layerwise and refiner blocks x (q, k, v, gate, out, 3 ff)
 
 
-@pytest.mark.parametrize("fmt", formats())
+# NVFP4's run takes 3x the others' (~16 s on 2 cores): slow-marked; its save and restore of the arrays themselves
+# stay in test_quant_formats.py's default tests.
+@pytest.mark.parametrize("fmt", [pytest.param(f, marks=pytest.mark.slow) if f == "nvfp4" else f for f in formats()])
 def test_quantized_checkpoint_reloads_bit_for_bit(tmp_path, tiny_params, fmt):
     q = quantize_model(tiny_params, krea2_rules(fmt))
     save_quantized(q, tmp_path / "q.safetensors")
@@ -110,6 +112,7 @@ def test_quantize_script_writes_a_loadable_checkpoint_and_keeps_existing_files(t
     assert "already exists" in capsys.readouterr().err and out.read_bytes() == before
 
 
+@pytest.mark.slow  # ~1 min on 2 cores; test_quality_rows_with_an_attention_kernel runs the same path by default
 def test_quality_table_on_the_demo_model(tmp_path):
     # Random weights: this checks the path (quantize -> dequantize -> generate -> compare -> gate), not quality.
     from mxdit.model.pipeline_krea2 import demo_pipeline
