@@ -206,16 +206,14 @@ def _int8_attention_kernel(qi, qs, ki, ks, v32, kv_lengths, *, pv, block_q, bloc
     # (batch, heads, seq, dim) layouts padded to whole blocks; scales (batch, heads, blocks)
     qi = jnp.pad(qi, ((0, 0), (0, pad_q), (0, 0), (0, 0))).transpose(0, 2, 1, 3)
     ki = jnp.pad(ki, ((0, 0), (0, pad_k), (0, 0), (0, 0))).transpose(0, 2, 1, 3)
-    v32 = jnp.pad(v32, ((0, 0), (0, pad_k), (0, 0), (0, 0)))
     if pv == "fp8":
         # FP8 V goes in as (dim, seq): K-major, the layout Hopper's 8-bit wgmma takes its B operand in (with V as
         # (seq, dim) the Triton lowering's FP8 P.V was wrong on the H200, rel L1 0.13, though right in interpret
         # mode); made by the Mosaic kernel's pass, without its key permutation.
-        v_scale = _v_fp8_scale(v32)
-        vb = v_fp8_operand(v32, v_scale, block_k, permute_keys=False, interpret=interpret)
+        vb, v_scale = v_fp8_operand(v32, block_k, permute_keys=False, interpret=interpret)
     else:
         v_scale = jnp.ones((b, hk, d), jnp.float32)
-        vb = v32.astype(jnp.bfloat16).transpose(0, 2, 1, 3)
+        vb = jnp.pad(v32.astype(jnp.bfloat16), ((0, 0), (0, pad_k), (0, 0), (0, 0))).transpose(0, 2, 1, 3)
     qs, ks = qs.transpose(0, 2, 1), ks.transpose(0, 2, 1)
     n_q, n_k = qi.shape[2] // block_q, ki.shape[2] // block_k
 
@@ -312,20 +310,23 @@ def _pv_key_order(keys: int) -> np.ndarray:
     return (np.arange(0, keys, 16)[:, None] + group[None]).reshape(keys)
 
 
-def v_fp8_operand(v32: jax.Array, v_scale: jax.Array, block: int, *, permute_keys: bool,
-                  interpret: bool = False) -> jax.Array:
-    """V as the Mosaic kernel's FP8 P.V takes it, in one Triton pass: (batch, keys, kv_heads, dim) float32, keys a
-    multiple of `block` (a multiple of 16), divided by `v_scale` (batch, kv_heads, dim) and rounded to E4M3, out as
-    V^T (batch, kv_heads, dim, keys), the K-major layout 8-bit wgmma takes its B operand in; `permute_keys`: keys
-    in `_pv_key_order` within each 16 (key 8 * hi + 2 * c + lo to position 4 * c + 2 * hi + lo). XLA's transpose
-    (and gather) for this took 47-69 us a block in the step (session 10's profiles): 8-bit transposes with the
-    permutation inside. Each program transposes a (block, dim) tile in registers."""
+def v_fp8_operand(v32: jax.Array, block: int, *, permute_keys: bool,
+                  interpret: bool = False) -> tuple[jax.Array, jax.Array]:
+    """V as the kernels' FP8 P.V takes it, in one Triton pass: V (batch, kv_len, kv_heads, dim) float32 (masked keys
+    zeroed) divided by its channel scales (`_v_fp8_scale`) and rounded to E4M3, out as V^T (batch, kv_heads, dim,
+    keys), keys padded to whole blocks of `block` (a multiple of 16): the K-major layout 8-bit wgmma takes its B
+    operand in. `permute_keys`: keys in `_pv_key_order` within each 16 (key 8 * hi + 2 * c + lo to position
+    4 * c + 2 * hi + lo). Returns (V^T, the scales (batch, kv_heads, dim)). XLA's transpose (and gather) for this
+    took 47-69 us a block in the step (session 10's profiles): 8-bit transposes with the permutation inside. Each
+    program transposes a (block, dim) tile in registers."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import triton as pltriton
 
+    if block % 16:
+        raise ValueError(f"v_fp8_operand: block {block} must be a multiple of 16")
+    v_scale = _v_fp8_scale(v32)
+    v32 = jnp.pad(v32, ((0, 0), (0, (-v32.shape[1]) % block), (0, 0), (0, 0)))
     b, keys, hk, d = v32.shape
-    if keys % block or block % 16:
-        raise ValueError(f"v_fp8_operand: {keys} keys must be whole blocks of {block}, a multiple of 16")
 
     def kernel(v_ref, s_ref, o_ref):
         y = v_ref[...] / s_ref[...][None, :]  # (block, dim) float32
@@ -345,7 +346,7 @@ def v_fp8_operand(v32: jax.Array, v_scale: jax.Array, block: int, *, permute_key
         compiler_params=pltriton.CompilerParams(num_warps=8, num_stages=2),
         interpret=interpret,
         name="v_fp8_operand",
-    )(v32, v_scale)
+    )(v32, v_scale), v_scale
 
 
 def _p_as_8bit_operand(p: jax.Array) -> jax.Array:
@@ -442,9 +443,7 @@ def _int8_attention_mosaic(qi, qs, ki, ks, v32, kv_lengths, *, pv, block_k, num_
         def v_operand(v32):
             """(V^T (batch, kv_heads, dim, keys) in E4M3, its channel scales); P's registers read as the 8-bit
             operand layout order the keys so (`_p_as_8bit_operand`)."""
-            v_scale = _v_fp8_scale(v32)
-            return v_fp8_operand(jnp.pad(v32, ((0, 0), (0, pad_k), (0, 0), (0, 0))), v_scale, block_k,
-                                 permute_keys=not p_in_smem, interpret=interpret), v_scale
+            return v_fp8_operand(v32, block_k, permute_keys=not p_in_smem, interpret=interpret)
 
         v_block, v_transforms, p_dtype = (d, block_k), _mosaic_transforms(1, block_k), jnp.float8_e4m3fn
     else:

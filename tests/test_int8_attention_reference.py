@@ -222,16 +222,17 @@ def test_fp8_p_registers_read_as_the_8bit_operand_hold_p_in_pv_key_order():
 def test_v_fp8_operand_kernel_gives_v_transposed_and_in_pv_key_order(permute_keys):
     """The Triton pass that makes FP8 P.V's V operand: V / scale in E4M3, transposed to (dim, keys), the keys in
     `_pv_key_order` for P from registers; the same bytes as XLA's quantization, transpose and gather."""
-    from mxdit.pallas_kernels.attention import _pv_key_order, _quantize_v_fp8, _v_fp8_scale, v_fp8_operand
+    from mxdit.pallas_kernels.attention import _pv_key_order, _quantize_v_fp8, v_fp8_operand
 
     v32 = jax.random.normal(jax.random.key(3), (2, 64, 3, 32)) * jnp.arange(1, 33)
     v8, scale = _quantize_v_fp8(v32)
     want = np.asarray(v8.transpose(0, 2, 3, 1).astype(jnp.float32))
     if permute_keys:
         want = want[..., _pv_key_order(64)]
-    got = v_fp8_operand(v32, _v_fp8_scale(v32), 32, permute_keys=permute_keys, interpret=True)
+    got, got_scale = v_fp8_operand(v32, 32, permute_keys=permute_keys, interpret=True)
     assert got.dtype == jnp.float8_e4m3fn
     np.testing.assert_array_equal(np.asarray(got.astype(jnp.float32)), want)
+    np.testing.assert_array_equal(np.asarray(got_scale), np.asarray(scale))
 
 
 @pytest.mark.usefixtures("hopper")
