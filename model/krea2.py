@@ -392,10 +392,10 @@ class Krea2Transformer(nnx.Module):
 
     `attention` picks the attention kernel: "xla" (any device and dtype), "cudnn" (GPU, bfloat16/float16), "int8"
     (pallas_kernels' INT8-QK kernel, Triton lowering) or "int8_mosaic" (its Hopper kernel), and these with FP8 P.V
-    ("int8_fp8", "int8_mosaic_fp8"); None chooses cuDNN on a
-    GPU for 16-bit dtypes and XLA otherwise. `joint_attention` (default None: `attention`) is an `AttentionFn` that
-    replaces the kernel in the joint blocks, where the long sequence is: sharding/ sets it to a sequence-parallel
-    attention. The text-fusion blocks keep `attention`.
+    ("int8_fp8", "int8_mosaic_fp8"); None chooses cuDNN on a GPU for 16-bit dtypes and XLA otherwise.
+    `joint_attention` (default None: `attention`) is an `AttentionFn` that replaces the kernel in the joint blocks,
+    where the long sequence is: sharding/ sets it to a sequence-parallel attention. The text-fusion blocks keep
+    `attention`.
     """
 
     def __init__(
