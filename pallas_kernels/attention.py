@@ -71,6 +71,13 @@ def _valid_keys(kv_lengths, batch: int, kv_len: int) -> jax.Array:
     return jnp.arange(kv_len)[None, :] < _key_lengths(kv_lengths, batch, kv_len)[:, None]
 
 
+def _masked_values(v: jax.Array, kv_lengths, dtype) -> jax.Array:
+    """V (batch, kv_len, kv_heads, dim) in `dtype` with the keys past `kv_lengths` zeroed (none masked: None)."""
+    if kv_lengths is None:
+        return v.astype(dtype)
+    return jnp.where(_valid_keys(kv_lengths, v.shape[0], v.shape[1])[:, :, None, None], v.astype(dtype), 0)
+
+
 def _v_fp8_scale(v32: jax.Array) -> jax.Array:
     """V's E4M3 scales per channel, amax / 448 over the keys (masked keys are zeroed before, so they do not enter
     the range): (batch, kv_heads, dim) from V (batch, kv_len, kv_heads, dim) float32."""
@@ -172,29 +179,30 @@ def int8_attention(q, k, v, *, kv_lengths=None, pv: str = "bf16", block_q: int =
                               out_dtype=out_dtype, pv_accumulation=pv_accumulation)
 
 
-def _attention_backend(qi, qs, ki, ks, v32, kv_lengths, *, pv, block_q, block_k, interpret, num_warps, num_stages,
+def _attention_backend(qi, qs, ki, ks, v, kv_lengths, *, pv, block_q, block_k, interpret, num_warps, num_stages,
                        backend, out_dtype, pv_accumulation="two_level"):
     _check_pv_accumulation(pv, pv_accumulation)
     if backend == "triton":
         if pv_accumulation != "two_level":
             raise ValueError("pv_accumulation='in_place' is the mosaic backend's (the Triton kernel adds each block's "
                              "product to its float32 accumulator)")
-        return _int8_attention_kernel(qi, qs, ki, ks, v32, kv_lengths, pv=pv, block_q=block_q, block_k=block_k,
+        return _int8_attention_kernel(qi, qs, ki, ks, v, kv_lengths, pv=pv, block_q=block_q, block_k=block_k,
                                       interpret=interpret, num_warps=num_warps,
                                       num_stages=num_stages).astype(out_dtype)
     if backend == "mosaic":
         if block_q != MOSAIC_ROWS:
             raise ValueError(f"the mosaic backend quantizes Q per {MOSAIC_ROWS} rows (one warpgroup): block_q must "
                              f"be {MOSAIC_ROWS}, got {block_q}")
-        return _int8_attention_mosaic(qi, qs, ki, ks, v32, kv_lengths, pv=pv, block_k=block_k, num_stages=num_stages,
+        return _int8_attention_mosaic(qi, qs, ki, ks, v, kv_lengths, pv=pv, block_k=block_k, num_stages=num_stages,
                                       interpret=interpret, out_dtype=out_dtype, pv_accumulation=pv_accumulation)
     raise ValueError(f"backend must be 'triton' or 'mosaic', got {backend!r}")
 
 
-def _int8_attention_kernel(qi, qs, ki, ks, v32, kv_lengths, *, pv, block_q, block_k, interpret, num_warps,
+def _int8_attention_kernel(qi, qs, ki, ks, v, kv_lengths, *, pv, block_q, block_k, interpret, num_warps,
                            num_stages):
     """The attention kernel on quantized Q and K (batch, seq, heads, dim) int8 with scales (batch, seq blocks,
-    heads), and V (batch, kv_len, kv_heads, dim) float32 with masked keys zeroed. Returns float32."""
+    heads), and V (batch, kv_len, kv_heads, dim) in a float dtype (the keys past `kv_lengths` are zeroed here).
+    Returns float32."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import triton as pltriton
 
@@ -210,10 +218,11 @@ def _int8_attention_kernel(qi, qs, ki, ks, v32, kv_lengths, *, pv, block_q, bloc
         # FP8 V goes in as (dim, seq): K-major, the layout Hopper's 8-bit wgmma takes its B operand in (with V as
         # (seq, dim) the Triton lowering's FP8 P.V was wrong on the H200, rel L1 0.13, though right in interpret
         # mode); made by the Mosaic kernel's pass, without its key permutation.
-        vb, v_scale = v_fp8_operand(v32, block_k, permute_keys=False, interpret=interpret)
+        vb, v_scale = v_fp8_operand(v, block_k, permute_keys=False, kv_lengths=kv_lengths, interpret=interpret)
     else:
         v_scale = jnp.ones((b, hk, d), jnp.float32)
-        vb = jnp.pad(v32.astype(jnp.bfloat16), ((0, 0), (0, pad_k), (0, 0), (0, 0))).transpose(0, 2, 1, 3)
+        vb = _masked_values(v, kv_lengths, jnp.bfloat16)
+        vb = jnp.pad(vb, ((0, 0), (0, pad_k), (0, 0), (0, 0))).transpose(0, 2, 1, 3)
     qs, ks = qs.transpose(0, 2, 1), ks.transpose(0, 2, 1)
     n_q, n_k = qi.shape[2] // block_q, ki.shape[2] // block_k
 
@@ -310,10 +319,11 @@ def _pv_key_order(keys: int) -> np.ndarray:
     return (np.arange(0, keys, 16)[:, None] + group[None]).reshape(keys)
 
 
-def v_fp8_operand(v32: jax.Array, block: int, *, permute_keys: bool,
+def v_fp8_operand(v: jax.Array, block: int, *, permute_keys: bool, kv_lengths: jax.Array | None = None,
                   interpret: bool = False) -> tuple[jax.Array, jax.Array]:
-    """V as the kernels' FP8 P.V takes it, in one Triton pass: V (batch, kv_len, kv_heads, dim) float32 (masked keys
-    zeroed) divided by its channel scales (`_v_fp8_scale`) and rounded to E4M3, out as V^T (batch, kv_heads, dim,
+    """V as the kernels' FP8 P.V takes it, in one Triton pass: V (batch, kv_len, kv_heads, dim) in a float dtype
+    (read as it is: the keys past `kv_lengths` are zeroed in the pass, and their values do not enter the scales)
+    divided by its channel scales (`_v_fp8_scale`) and rounded to E4M3, out as V^T (batch, kv_heads, dim,
     keys), keys padded to whole blocks of `block` (a multiple of 16): the K-major layout 8-bit wgmma takes its B
     operand in. `permute_keys`: keys in `_pv_key_order` within each 16 (key 8 * hi + 2 * c + lo to position
     4 * c + 2 * hi + lo). Returns (V^T, the scales (batch, kv_heads, dim)). XLA's transpose (and gather) for this
@@ -324,12 +334,16 @@ def v_fp8_operand(v32: jax.Array, block: int, *, permute_keys: bool,
 
     if block % 16:
         raise ValueError(f"v_fp8_operand: block {block} must be a multiple of 16")
-    v_scale = _v_fp8_scale(v32)
-    v32 = jnp.pad(v32, ((0, 0), (0, (-v32.shape[1]) % block), (0, 0), (0, 0)))
-    b, keys, hk, d = v32.shape
+    v_scale = _v_fp8_scale(_masked_values(v, kv_lengths, jnp.float32))  # an XLA reduction: nothing written
+    lengths = _key_lengths(kv_lengths, v.shape[0], v.shape[1])
+    pad = (-v.shape[1]) % block
+    if pad:  # zero keys (past the lengths): a copy, where a sequence is no multiple of the block
+        v = jnp.pad(v, ((0, 0), (0, pad), (0, 0), (0, 0)))
+    b, keys, hk, d = v.shape
 
-    def kernel(v_ref, s_ref, o_ref):
-        y = v_ref[...] / s_ref[...][None, :]  # (block, dim) float32
+    def kernel(lengths_ref, v_ref, s_ref, o_ref):
+        rows = pl.program_id(2) * block + jax.lax.broadcasted_iota(jnp.int32, (block, d), 0)
+        y = jnp.where(rows < lengths_ref[pl.program_id(0)], v_ref[...].astype(jnp.float32) / s_ref[...][None, :], 0.0)
         if permute_keys:  # (16-key group, hi, c, lo, dim) -> (dim, group, c, hi, lo)
             y = y.reshape(block // 16, 2, 4, 2, d).transpose(4, 0, 2, 1, 3).reshape(d, block)
         else:
@@ -339,14 +353,15 @@ def v_fp8_operand(v32: jax.Array, block: int, *, permute_keys: bool,
     return pl.pallas_call(
         kernel,
         grid=(b, hk, keys // block),
-        in_specs=[pl.BlockSpec((None, block, None, d), lambda bi, hi, ki: (bi, ki, hi, 0)),
+        in_specs=[pl.no_block_spec,
+                  pl.BlockSpec((None, block, None, d), lambda bi, hi, ki: (bi, ki, hi, 0)),
                   pl.BlockSpec((None, None, d), lambda bi, hi, ki: (bi, hi, 0))],
         out_specs=pl.BlockSpec((None, None, d, block), lambda bi, hi, ki: (bi, hi, 0, ki)),
         out_shape=jax.ShapeDtypeStruct((b, hk, d, keys), jnp.float8_e4m3fn),
         compiler_params=pltriton.CompilerParams(num_warps=8, num_stages=2),
         interpret=interpret,
         name="v_fp8_operand",
-    )(v32, v_scale), v_scale
+    )(lengths, v, v_scale), v_scale
 
 
 def _p_as_8bit_operand(p: jax.Array) -> jax.Array:
@@ -379,11 +394,11 @@ def compute_registers(compute_wgs: int, memory_registers: int = 40) -> int:
     return min(per_thread - per_thread % 8, 256)
 
 
-def _int8_attention_mosaic(qi, qs, ki, ks, v32, kv_lengths, *, pv, block_k, num_stages, p_in_smem=None,
+def _int8_attention_mosaic(qi, qs, ki, ks, v, kv_lengths, *, pv, block_k, num_stages, p_in_smem=None,
                            pv_accumulation="two_level", interpret=False, lower_only=False, out_dtype=jnp.float32):
     """The Mosaic GPU kernel on quantized Q (per 64 rows) and K (per `block_k` keys), (batch, seq, heads, dim) int8
-    with scales (batch, seq blocks, heads), and V (batch, kv_len, kv_heads, dim) float32 with masked keys zeroed.
-    Returns `out_dtype` (batch, q_len, heads, dim).
+    with scales (batch, seq blocks, heads), and V (batch, kv_len, kv_heads, dim) in a float dtype (the keys past
+    `kv_lengths` are zeroed here). Returns `out_dtype` (batch, q_len, heads, dim).
 
     A CTA (grid: heads, blocks of 128 query rows, batch) runs three warpgroups: two compute warpgroups of 64 query
     rows each, and a memory warpgroup that streams K and V blocks by TMA into a `num_stages` ring (a "full" barrier
@@ -440,15 +455,15 @@ def _int8_attention_mosaic(qi, qs, ki, ks, v32, kv_lengths, *, pv, block_k, num_
     qs = jnp.pad(qs, ((0, 0), (0, 2 * n_q - qs.shape[1]), (0, 0)), constant_values=1.0).transpose(0, 2, 1)
     ks = ks.transpose(0, 2, 1)
     if pv == "fp8":
-        def v_operand(v32):
+        def v_operand(v):
             """(V^T (batch, kv_heads, dim, keys) in E4M3, its channel scales); P's registers read as the 8-bit
             operand layout order the keys so (`_p_as_8bit_operand`)."""
-            return v_fp8_operand(v32, block_k, permute_keys=not p_in_smem, interpret=interpret)
+            return v_fp8_operand(v, block_k, permute_keys=not p_in_smem, kv_lengths=kv_lengths, interpret=interpret)
 
         v_block, v_transforms, p_dtype = (d, block_k), _mosaic_transforms(1, block_k), jnp.float8_e4m3fn
     else:
-        def v_operand(v32):  # the scales are not read: bf16 V is not scaled
-            return (jnp.pad(v32.astype(jnp.bfloat16), ((0, 0), (0, pad_k), (0, 0), (0, 0))),
+        def v_operand(v):  # the scales are not read: bf16 V is not scaled
+            return (jnp.pad(_masked_values(v, kv_lengths, jnp.bfloat16), ((0, 0), (0, pad_k), (0, 0), (0, 0))),
                     jnp.ones((b, hk, d), jnp.float32))
 
         v_block, v_transforms, p_dtype = (block_k, d), _mosaic_transforms(2, d), jnp.bfloat16
@@ -640,12 +655,12 @@ def _int8_attention_mosaic(qi, qs, ki, ks, v32, kv_lengths, *, pv, block_k, num_
         interpret=plgpu.InterpretGPUParams() if interpret else None,
     )
 
-    def run(qi, qs, ki, ks, v32, lengths):
-        return call(qi, qs, ki, ks, *v_operand(v32), lengths)[:, :sq]
+    def run(qi, qs, ki, ks, v, lengths):
+        return call(qi, qs, ki, ks, *v_operand(v), lengths)[:, :sq]
 
     if lower_only:
-        return jax.jit(run).trace(qi, qs, ki, ks, v32, lengths).lower(lowering_platforms=("cuda",))
-    return run(qi, qs, ki, ks, v32, lengths)
+        return jax.jit(run).trace(qi, qs, ki, ks, v, lengths).lower(lowering_platforms=("cuda",))
+    return run(qi, qs, ki, ks, v, lengths)
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -677,7 +692,8 @@ def int8_qk_prologue(q, k, norm_q, norm_k, eps: float, cos, sin, kv_lengths=None
 
     q: (batch, seq, heads, head_dim), k: (batch, seq, kv_heads, head_dim) as the projections give them (before the
     norms); norm_q, norm_k: (head_dim,) RMSNorm weights; cos, sin as `rms_rope_reference`. One kernel pass over Q
-    and one over K; K's mean over the valid keys (for smoothing) takes one XLA pass before it. Returns qi, qs, ki, ks
+    and one over K; K's mean over the valid keys (for smoothing) takes one pass of the same kernel before it, which
+    sums each block's normed and rotated keys (`block_sums`). Returns qi, qs, ki, ks
     as `_prologue` does (int8 values, float32 scales (batch, seq blocks, heads)), with channels in the order of
     `_deinterleave`.
     """
@@ -687,11 +703,11 @@ def int8_qk_prologue(q, k, norm_q, norm_k, eps: float, cos, sin, kv_lengths=None
 
 def int8_qk_prologue_stacked(qkv, num_heads: int, num_kv_heads: int, norm_q, norm_k, eps: float, cos, sin,
                              kv_lengths=None, *, scale: float, block_q: int = 64, block_k: int = 64,
-                             smooth_k: bool = True, interpret: bool = False, heads_per_program: int = 1,
+                             smooth_k: bool = True, interpret: bool = False, heads_per_program: int | None = None,
                              num_warps: int | None = None, split_pairs: bool = False):
     """`int8_qk_prologue` with Q and K read in place from one stacked projection (batch, seq, H, head_dim), whose
     heads are [Q (num_heads) | K (num_kv_heads) | ...]: no copy of Q or K sliced out of it first.
-    `heads_per_program`, `num_warps` (both passes; None: `PROLOGUE_WARPS`), `split_pairs`: the kernel's (see
+    `heads_per_program`, `num_warps` (both passes; None: `PROLOGUE_HEADS`, `PROLOGUE_WARPS`), `split_pairs`: the kernel's (see
     `_rms_rope_quantize`; `benchmark.py qk-prologue` times them)."""
     return _qk_prologue(qkv, (0, num_heads), qkv, (num_heads, num_kv_heads), norm_q, norm_k, eps, cos, sin,
                         kv_lengths, scale=scale, block_q=block_q, block_k=block_k, smooth_k=smooth_k,
@@ -702,31 +718,34 @@ def int8_qk_prologue_stacked(qkv, num_heads: int, num_kv_heads: int, norm_q, nor
 # Warps a program of the Q and of the K pass: at Krea 2's 4224 tokens (48 Q, 12 K heads, `benchmark.py qk-prologue`,
 # sessions 8 and 10) Q took 73 us with 16 and 96 with 8; K 27 with 8 and 42 with 16 (the same codes).
 PROLOGUE_WARPS = (16, 8)
+# Heads a program of the Q and of the K pass (the rotary tables, 2x the bytes of a head's tile, loaded once for them).
+PROLOGUE_HEADS = (1, 1)
 
 
 def _qk_prologue(q_src, q_heads, k_src, k_heads, norm_q, norm_k, eps, cos, sin, kv_lengths, *, scale, block_q,
-                 block_k, smooth_k, interpret, heads_per_program: int = 1, num_warps: int | None = None,
+                 block_k, smooth_k, interpret, heads_per_program: int | None = None, num_warps: int | None = None,
                  split_pairs: bool = False):
     """The prologue on heads [first, first + count) of `q_src` and `k_src` (`q_heads`, `k_heads`); `num_warps` for
     both passes (None: `PROLOGUE_WARPS`)."""
     b, s, _, d = q_src.shape
-    (_, h), (k_first, hk) = q_heads, k_heads
+    (_, h), (_, hk) = q_heads, k_heads
     cos = jnp.broadcast_to(cos, (b, s, d)).astype(jnp.float32)[..., 0::2]  # pairs share a frequency: half the table
     sin = jnp.broadcast_to(sin, (b, s, d)).astype(jnp.float32)[..., 0::2]
     valid = _valid_keys(kv_lengths, b, s)
-    k_mean = jnp.zeros((b, hk, d), jnp.float32)
-    if smooth_k:  # one XLA reduction; the slice of a stacked source fuses into it
-        k = k_src[:, :, k_first:k_first + hk]
-        k32 = jnp.where(valid[:, :, None, None], rms_rope_reference(k, norm_k, eps, *_full_tables(cos, sin)), 0.0)
-        k_mean = jnp.sum(k32, axis=1) / jnp.maximum(valid.sum(axis=1), 1)[:, None, None]
     lengths = _key_lengths(kv_lengths, b, s)
-    q_mean = jnp.zeros((b, h, d), jnp.float32)
     q_warps, k_warps = PROLOGUE_WARPS if num_warps is None else (num_warps, num_warps)
-    kernel = functools.partial(_rms_rope_quantize, heads_per_program=heads_per_program, split_pairs=split_pairs)
+    q_group, k_group = PROLOGUE_HEADS if heads_per_program is None else (heads_per_program, heads_per_program)
+    kernel = functools.partial(_rms_rope_quantize, split_pairs=split_pairs)
+    k_mean = jnp.zeros((b, hk, d), jnp.float32)  # in `_deinterleave`'s channel order, as the kernel writes K
+    if smooth_k:  # the normed, rotated K summed over the valid keys of each block by a pass of the same kernel
+        sums = kernel(k_src, norm_k, eps, cos, sin, None, lengths, 1.0, block_k, interpret, heads=k_heads,
+                      num_warps=k_warps, heads_per_program=k_group, block_sums=True)
+        k_mean = jnp.sum(sums, axis=1) / jnp.maximum(valid.sum(axis=1), 1)[:, None, None]
+    q_mean = jnp.zeros((b, h, d), jnp.float32)
     qi, qs = kernel(q_src, norm_q, eps, cos, sin, q_mean, None, scale, block_q, interpret, heads=q_heads,
-                    num_warps=q_warps)
-    ki, ks = kernel(k_src, norm_k, eps, cos, sin, _deinterleave(k_mean), lengths, 1.0, block_k, interpret,
-                    heads=k_heads, num_warps=k_warps)
+                    num_warps=q_warps, heads_per_program=q_group)
+    ki, ks = kernel(k_src, norm_k, eps, cos, sin, k_mean, lengths, 1.0, block_k, interpret,
+                    heads=k_heads, num_warps=k_warps, heads_per_program=k_group)
     return qi, qs, ki, ks
 
 
@@ -744,15 +763,19 @@ def _round_half_even(x: jax.Array) -> jax.Array:
 
 def _rms_rope_quantize(x, weight, eps, cos_half, sin_half, mean, lengths, multiplier, block, interpret,
                        num_warps: int = 8, heads: tuple[int, int] | None = None, heads_per_program: int = 1,
-                       split_pairs: bool = False):
+                       split_pairs: bool = False, block_sums: bool = False):
     """The kernel: a program per (batch, block of `block` tokens, group of `heads_per_program` heads; fewer when
     the heads or their first one are no multiple of it). 8 warps: half the registers a thread holds of the
-    (block, head_dim) tile, twice the occupancy: 270 vs 549 us for Krea 2's Q at 4224 tokens (NOTES.md). A group
-    shares the rotary tables' loads and a program's fixed costs (measured per head: Q 122 us at 4224 tokens, 48
-    heads, ~5x what its bytes take). `heads` (first, count): only those heads of x, read in place (all of them by
-    default). `split_pairs`: load the tile contiguously and split the (real, imaginary) channel pairs in registers
-    instead of two stride-2 loads; measured at 4224 tokens: Q 96 -> 82 us, K 27 -> 32 (as noisy), together < 1% of
-    a step, so off by default. Several heads a program measured slower (Q 103-174 us, NOTES.md session 8)."""
+    (block, head_dim) tile, twice the occupancy: 270 vs 549 us for Krea 2's Q at 4224 tokens (NOTES.md). A group's
+    heads are done one after the other (an unrolled loop) with the rotary tables loaded once: the tables (float32,
+    half a head's width) are twice the bytes of a head's bf16 tile, so with one head a program they were most of
+    what a program read (the kernel took ~5x what Q's own bytes take). Session 8's groups, one (block, group, half)
+    tile a program, measured slower (Q 103-174 us) and are gone. `heads` (first, count): only those heads of x, read
+    in place (all of them by default). `split_pairs`: load the tile contiguously and split the (real, imaginary)
+    channel pairs in registers instead of two stride-2 loads; measured at 4224 tokens: Q 96 -> 82 us, K 27 -> 32 (as
+    noisy), together < 1% of a step, so off by default. `block_sums`: instead of quantizing, the normed and rotated
+    values summed over each block's valid tokens, (batch, blocks, heads, head_dim) float32 in `_deinterleave`'s
+    order (K smoothing's mean; `mean` and `multiplier` are not used)."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import triton as pltriton
 
@@ -769,63 +792,79 @@ def _rms_rope_quantize(x, weight, eps, cos_half, sin_half, mean, lengths, multip
     n_blocks = (s + pad) // block
     w = (1.0 + weight.astype(jnp.float32))
     w_even, w_odd = w[0::2], w[1::2]
-    mean_even, mean_odd = mean[..., :half], mean[..., half:]
+    mean_even, mean_odd = (None, None) if mean is None else (mean[..., :half], mean[..., half:])
     masked = lengths is not None
     lengths = jnp.full((b,), s, jnp.int32) if lengths is None else lengths
-    # One head a program: the head axis squeezed out of the blocks (the layout the kernel was first measured in);
-    # a group: (block, group, half) tiles, the norm per (token, head), the scale per head.
-    head_block = None if group == 1 else group
-    heads_axis = () if group == 1 else (slice(None),)
 
-    def kernel(lengths_ref, x_ref, c_ref, s_ref, we_ref, wo_ref, me_ref, mo_ref, q_ref, scale_ref):
-        bi, si = pl.program_id(0), pl.program_id(1)
-        per_head = (slice(None), None) if group > 1 else (slice(None),)  # broadcasts a token's value over heads
-
+    def rotated(x_ref, c, sn, we_ref, wo_ref, head):
+        """One head's (block, half) real and imaginary parts after the norm and the rotation."""
+        one = pl.ds(head, 1)  # (a slice of one, not an integer: interpret mode's strided loads take only slices)
         if split_pairs:  # one contiguous load, the (real, imaginary) pairs split in registers
-            pairs = x_ref[...].astype(jnp.float32)
-            even, odd = jnp.split(pairs.reshape(*pairs.shape[:-1], half, 2), 2, axis=-1)
+            pairs = x_ref[:, one, :].reshape(block, d).astype(jnp.float32)
+            even, odd = jnp.split(pairs.reshape(block, half, 2), 2, axis=-1)
             even, odd = even[..., 0], odd[..., 0]
         else:  # every other channel from 0 and from 1: two strided loads
-            even, odd = (x_ref[(slice(None), *heads_axis, pl.ds(start, half, stride=2))].astype(jnp.float32)
+            even, odd = (x_ref[:, one, pl.ds(start, half, stride=2)].reshape(block, half).astype(jnp.float32)
                          for start in (0, 1))
-        inv = jax.lax.rsqrt((jnp.sum(even * even, axis=-1) + jnp.sum(odd * odd, axis=-1)) / d + eps)[..., None]
+        inv = jax.lax.rsqrt((jnp.sum(even * even, axis=-1) + jnp.sum(odd * odd, axis=-1)) / d + eps)[:, None]
         even = even * inv * we_ref[...]
         odd = odd * inv * wo_ref[...]
-        c, sn = c_ref[...][per_head], s_ref[...][per_head]
-        real = (even * c - odd * sn - me_ref[...]) * multiplier
-        imag = (odd * c + even * sn - mo_ref[...]) * multiplier
-        if masked:  # masked keys are zeroed: they must not enter the block's scale
-            rows = si * block + jax.lax.broadcasted_iota(jnp.int32, real.shape, 0)
-            keep = rows < lengths_ref[bi]
-            real, imag = jnp.where(keep, real, 0.0), jnp.where(keep, imag, 0.0)
-        amax = jnp.maximum(jnp.max(jnp.max(jnp.abs(real), axis=-1), axis=0),
-                           jnp.max(jnp.max(jnp.abs(imag), axis=-1), axis=0))  # per head
-        step = jnp.where(amax > 0, amax / 127.0, 1.0)
-        for start, v in ((0, real), (half, imag)):
-            q = jnp.clip(_round_half_even(v / step[..., None]), -127, 127).astype(jnp.int8)
-            q_ref[(slice(None), *heads_axis, pl.ds(start, half))] = q
-        scale_ref[...] = step
+        return even * c - odd * sn, odd * c + even * sn
 
+    def tables_and_mask(lengths_ref, c_ref, s_ref):
+        c, sn = c_ref[...], s_ref[...]  # (block, half): loaded once for the group's heads
+        rows = pl.program_id(1) * block + jax.lax.broadcasted_iota(jnp.int32, c.shape, 0)
+        return c, sn, rows < lengths_ref[pl.program_id(0)]
+
+    def kernel(lengths_ref, x_ref, c_ref, s_ref, we_ref, wo_ref, me_ref, mo_ref, q_ref, scale_ref):
+        c, sn, keep = tables_and_mask(lengths_ref, c_ref, s_ref)
+        for head in range(group):  # unrolled: the heads' loads are independent
+            one = pl.ds(head, 1)
+            real, imag = rotated(x_ref, c, sn, we_ref, wo_ref, head)
+            real = (real - me_ref[one, :]) * multiplier
+            imag = (imag - mo_ref[one, :]) * multiplier
+            if masked:  # masked keys are zeroed: they must not enter the block's scale
+                real, imag = jnp.where(keep, real, 0.0), jnp.where(keep, imag, 0.0)
+            amax = jnp.maximum(jnp.max(jnp.abs(real)), jnp.max(jnp.abs(imag)))
+            step = jnp.where(amax > 0, amax / 127.0, 1.0)
+            for start, v in ((0, real), (half, imag)):
+                q = jnp.clip(_round_half_even(v / step), -127, 127).astype(jnp.int8)
+                q_ref[:, one, pl.ds(start, half)] = q.reshape(block, 1, half)
+            scale_ref[one] = step.reshape(1)
+
+    def sums_kernel(lengths_ref, x_ref, c_ref, s_ref, we_ref, wo_ref, sum_ref):
+        c, sn, keep = tables_and_mask(lengths_ref, c_ref, s_ref)
+        for head in range(group):
+            real, imag = rotated(x_ref, c, sn, we_ref, wo_ref, head)
+            for start, v in ((0, real), (half, imag)):
+                sum_ref[pl.ds(head, 1), pl.ds(start, half)] = jnp.sum(jnp.where(keep, v, 0.0), axis=0)[None]
+
+    in_specs = [
+        pl.no_block_spec,
+        pl.BlockSpec((None, block, group, d), lambda bi, si, hi: (bi, si, hi + first // group, 0)),
+        pl.BlockSpec((None, block, half), lambda bi, si, hi: (bi, si, 0)),
+        pl.BlockSpec((None, block, half), lambda bi, si, hi: (bi, si, 0)),
+        pl.BlockSpec((half,), lambda bi, si, hi: (0,)),
+        pl.BlockSpec((half,), lambda bi, si, hi: (0,)),
+    ]
+    common = dict(grid=(b, n_blocks, h // group), interpret=interpret,
+                  compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=2))
+    if block_sums:
+        return pl.pallas_call(
+            sums_kernel, in_specs=in_specs, name="rms_rope_sums",
+            out_specs=pl.BlockSpec((None, None, group, d), lambda bi, si, hi: (bi, si, hi, 0)),
+            out_shape=jax.ShapeDtypeStruct((b, n_blocks, h, d), jnp.float32), **common,
+        )(lengths, x, cos_half, sin_half, w_even, w_odd)
     qi, qs = pl.pallas_call(
         kernel,
-        grid=(b, n_blocks, h // group),
-        in_specs=[
-            pl.no_block_spec,
-            pl.BlockSpec((None, block, head_block, d), lambda bi, si, hi: (bi, si, hi + first // group, 0)),
-            pl.BlockSpec((None, block, half), lambda bi, si, hi: (bi, si, 0)),
-            pl.BlockSpec((None, block, half), lambda bi, si, hi: (bi, si, 0)),
-            pl.BlockSpec((half,), lambda bi, si, hi: (0,)),
-            pl.BlockSpec((half,), lambda bi, si, hi: (0,)),
-            pl.BlockSpec((None, head_block, half), lambda bi, si, hi: (bi, hi, 0)),
-            pl.BlockSpec((None, head_block, half), lambda bi, si, hi: (bi, hi, 0)),
-        ],
-        out_specs=[pl.BlockSpec((None, block, head_block, d), lambda bi, si, hi: (bi, si, hi, 0)),
-                   pl.BlockSpec((None, None, head_block), lambda bi, si, hi: (bi, si, hi))],
+        in_specs=in_specs + [pl.BlockSpec((None, group, half), lambda bi, si, hi: (bi, hi, 0)),
+                             pl.BlockSpec((None, group, half), lambda bi, si, hi: (bi, hi, 0))],
+        out_specs=[pl.BlockSpec((None, block, group, d), lambda bi, si, hi: (bi, si, hi, 0)),
+                   pl.BlockSpec((None, None, group), lambda bi, si, hi: (bi, si, hi))],
         out_shape=[jax.ShapeDtypeStruct((b, s + pad, h, d), jnp.int8),
                    jax.ShapeDtypeStruct((b, n_blocks, h), jnp.float32)],
-        compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=2),
-        interpret=interpret,
         name="rms_rope_int8_keys" if masked else "rms_rope_int8",
+        **common,
     )(lengths, x, cos_half, sin_half, w_even, w_odd, mean_even, mean_odd)
     return qi[:, :s], qs
 
@@ -879,7 +918,6 @@ def int8_attention_fused_stacked(qkv, num_heads: int, num_kv_heads: int, norm_q,
 
 
 def _fused_attention(qi, qs, ki, ks, v, kv_lengths, **options):
-    """The attention kernel after the fused prologue (masked values zeroed)."""
-    valid = _valid_keys(kv_lengths, v.shape[0], v.shape[1])
-    v32 = jnp.where(valid[:, :, None, None], v.astype(jnp.float32), 0.0)
-    return _attention_backend(qi, qs, ki, ks, v32, kv_lengths, **options)
+    """The attention kernel after the fused prologue; V as the projection gives it (each kernel zeroes the masked
+    keys' values where it reads them: no float32 copy of V is written first)."""
+    return _attention_backend(qi, qs, ki, ks, v, kv_lengths, **options)

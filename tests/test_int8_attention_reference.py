@@ -235,6 +235,24 @@ def test_v_fp8_operand_kernel_gives_v_transposed_and_in_pv_key_order(permute_key
     np.testing.assert_array_equal(np.asarray(got_scale), np.asarray(scale))
 
 
+def test_v_fp8_operand_zeroes_masked_keys_read_as_they_are():
+    """V in bf16 as the projection gives it, masked keys holding large values, 50 keys (padded to 64): the operand
+    and scales of the float32 V with those keys zeroed first (the masked keys neither reach P.V nor V's range)."""
+    from mxdit.pallas_kernels.attention import v_fp8_operand
+
+    v = (jax.random.normal(jax.random.key(4), (2, 50, 3, 32)) * jnp.arange(1, 33)).astype(jnp.bfloat16)
+    lengths = jnp.asarray([50, 21])
+    garbage = v.at[1, 21:].set(3e4)
+    zeroed = jnp.where((jnp.arange(50) < 21)[None, :, None, None] | (jnp.arange(2) == 0)[:, None, None, None],
+                       v.astype(jnp.float32), 0.0)
+    for permute_keys in (False, True):
+        got = v_fp8_operand(garbage, 32, permute_keys=permute_keys, kv_lengths=lengths, interpret=True)
+        want = v_fp8_operand(zeroed, 32, permute_keys=permute_keys, interpret=True)
+        assert got[0].shape == (2, 3, 32, 64)
+        for a, b in zip(got, want):
+            np.testing.assert_array_equal(np.asarray(a.astype(jnp.float32)), np.asarray(b.astype(jnp.float32)))
+
+
 @pytest.mark.usefixtures("hopper")
 def test_mosaic_backend_names_its_limits():
     from mxdit.pallas_kernels.attention import int8_attention
@@ -349,6 +367,23 @@ def test_prologue_kernel_over_groups_of_heads_gives_the_codes_of_one_head_a_prog
                       for g, split in ((1, False), (heads_per_program, split_pairs)))
         np.testing.assert_array_equal(np.asarray(group[0]), np.asarray(one[0]))
         np.testing.assert_allclose(np.asarray(group[1]), np.asarray(one[1]), rtol=1e-6)
+
+
+@pytest.mark.parametrize("heads_per_program", [1, 2])
+def test_prologue_block_sums_are_the_normed_rotated_keys_summed_over_valid_keys(heads_per_program):
+    """The pass that gives K smoothing its mean: per block of keys and head, the sum of the normed and rotated keys
+    (channels in `_deinterleave`'s order) over the valid ones; masked and padding keys add nothing."""
+    from mxdit.pallas_kernels import attention as A
+
+    _, k, _, (_, nk), cos, sin = _raw_projections(11, hk=4)
+    lengths = jnp.asarray([100, 61])
+    sums = A._rms_rope_quantize(k, nk, 1e-6, cos[..., 0::2][None].repeat(2, 0), sin[..., 0::2][None].repeat(2, 0),
+                                None, lengths, 1.0, 64, True, heads_per_program=heads_per_program, block_sums=True)
+    kn = A._deinterleave(A.rms_rope_reference(k, nk, 1e-6, cos, sin))
+    kn = jnp.where((jnp.arange(100)[None, :] < lengths[:, None])[..., None, None], kn, 0.0)
+    expected = jnp.pad(kn, ((0, 0), (0, 28), (0, 0), (0, 0))).reshape(2, 2, 64, 4, 64).sum(axis=2)
+    assert sums.shape == (2, 2, 4, 64)
+    np.testing.assert_allclose(np.asarray(sums), np.asarray(expected), rtol=1e-5, atol=1e-4)
 
 
 @pytest.mark.parametrize("pv", ["bf16", "fp8"])
