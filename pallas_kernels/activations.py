@@ -16,8 +16,7 @@ modulation + quantization and ~225 us for SwiGLU + quantization (NOTES.md, sessi
 Each computes what the models compute, in their order and rounding (float32 norm cast to x's dtype; modulation in x's
 dtype; SwiGLU rounded as PyTorch rounds it), then `gemm.quantize_activations`' rule. `backend="reference"` is that
 composition in jnp (what runs off the GPU, and what the tests compare the kernel with); `backend="triton"` the Pallas
-kernel (Triton lowering: a program per row or per few rows, `ROW_PROGRAMS`; rows that a power-of-two chunk of 16
-to 2048 values divides).
+kernel (Triton lowering: one program per row; rows that a power-of-two chunk of 16 to 2048 values divides).
 
 On the H200 at 4224 x 6144 / 4224 x 32768 (NOTES.md, session 5): the norm in 42 us (XLA's composition 85), 99.99998%
 of its codes equal to the reference; SwiGLU in 141 us (XLA 231), 96.9% of codes equal: on the GPU, XLA keeps float32
@@ -102,26 +101,22 @@ def _quantized_rows(y: jax.Array) -> tuple[jax.Array, jax.Array]:
 
 
 def modulated_rms_norm_fp8(x, norm_weight, scale, shift, eps: float, *, backend: str = "triton",
-                           interpret: bool = False, rows_per_program: int | None = None
-                           ) -> tuple[jax.Array, jax.Array]:
+                           interpret: bool = False) -> tuple[jax.Array, jax.Array]:
     """`modulated_rms_norm` quantized to FP8 E4M3 per token: (values (batch, seq, d'), scales (batch, seq) float32),
     d' = d padded to a multiple of 128 with zeros (as `gemm.quantize_activations` gives the GEMM its input).
     x (batch, seq, d) in a 16- or 32-bit float; norm_weight (d,); scale, shift (batch, 1, d) or (1, 1, d)."""
     if backend == "reference":
         return _quantized_rows(modulated_rms_norm(x, norm_weight, *_modulation(x, scale, shift), eps))
-    return _modulated_norm_fp8("modulated_rms_norm_fp8", x, norm_weight, scale, shift, eps, False, backend, interpret,
-                               rows_per_program)
+    return _modulated_norm_fp8("modulated_rms_norm_fp8", x, norm_weight, scale, shift, eps, False, backend, interpret)
 
 
 def modulated_layer_norm_fp8(x, scale, shift, eps: float, *, backend: str = "triton",
-                             interpret: bool = False, rows_per_program: int | None = None
-                             ) -> tuple[jax.Array, jax.Array]:
+                             interpret: bool = False) -> tuple[jax.Array, jax.Array]:
     """`modulated_layer_norm` (FLUX.1) quantized to FP8 E4M3 per token; arguments and results as
     `modulated_rms_norm_fp8`'s, without a norm weight."""
     if backend == "reference":
         return _quantized_rows(modulated_layer_norm(x, *_modulation(x, scale, shift), eps))
-    return _modulated_norm_fp8("modulated_layer_norm_fp8", x, None, scale, shift, eps, True, backend, interpret,
-                               rows_per_program)
+    return _modulated_norm_fp8("modulated_layer_norm_fp8", x, None, scale, shift, eps, True, backend, interpret)
 
 
 def _modulation(x, scale, shift):
@@ -129,8 +124,7 @@ def _modulation(x, scale, shift):
     return jnp.broadcast_to(scale, (b, 1, d)), jnp.broadcast_to(shift, (b, 1, d))
 
 
-def _modulated_norm_fp8(name, x, norm_weight, scale, shift, eps, centered: bool, backend, interpret,
-                        rows_per_program):
+def _modulated_norm_fp8(name, x, norm_weight, scale, shift, eps, centered: bool, backend, interpret):
     """The kernel of both adaptive norms: a row's mean subtracted first (`centered`: LayerNorm) or not (RMSNorm),
     scaled by `1 + norm_weight` (none: 1), modulated, quantized."""
     _check_backend(backend)
@@ -147,11 +141,11 @@ def _modulated_norm_fp8(name, x, norm_weight, scale, shift, eps, centered: bool,
     shift = shift.reshape(b, d)
 
     def kernel(x_ref, w_ref, a_ref, sh_ref, q_ref, s_ref):
-        chunks = [x_ref[:, pl.ds(i * c, c)].astype(jnp.float32) for i in range(n_chunks)]  # (rows, c) each
+        chunks = [x_ref[:, pl.ds(i * c, c)].astype(jnp.float32) for i in range(n_chunks)]  # (1, c) each
         if centered:
-            mean = sum(_row_sum(v) for v in chunks) / d
+            mean = sum(jnp.sum(v) for v in chunks) / d
             chunks = [v - mean for v in chunks]
-        ss = sum(_row_sum(v * v) for v in chunks)
+        ss = sum(jnp.sum(v * v) for v in chunks)
         inv = jax.lax.rsqrt(ss / d + eps)
         ys, amax = [], jnp.float32(0.0)
         for i, v in enumerate(chunks):
@@ -159,15 +153,14 @@ def _modulated_norm_fp8(name, x, norm_weight, scale, shift, eps, centered: bool,
             y = _round(a_ref[:, pl.ds(i * c, c)].astype(jnp.float32) * norm, dtype)
             y = _round(y + sh_ref[:, pl.ds(i * c, c)].astype(jnp.float32), dtype)
             ys.append(y)
-            amax = jnp.maximum(amax, _row_amax(y))
-        _store_fp8_rows(ys, amax, c, q_ref, s_ref)
+            amax = jnp.maximum(amax, jnp.max(jnp.abs(y)))
+        _store_fp8_row(ys, amax, c, q_ref, s_ref)
 
-    specs = [_vec_spec(d, batched=False), _vec_spec(d), _vec_spec(d)]
-    return _row_call(name, kernel, b, s, d, interpret, rows_per_program, [d], specs, x, weight, one_plus, shift)
+    specs = [_row_spec(d), _vec_spec(d, batched=False), _vec_spec(d), _vec_spec(d)]
+    return _row_call(name, kernel, b, s, d, interpret, specs, x, weight, one_plus, shift)
 
 
-def swiglu_fp8(gate_up: jax.Array, *, backend: str = "triton", interpret: bool = False,
-               rows_per_program: int | None = None) -> tuple[jax.Array, jax.Array]:
+def swiglu_fp8(gate_up: jax.Array, *, backend: str = "triton", interpret: bool = False) -> tuple[jax.Array, jax.Array]:
     """`swiglu(gate_up)` quantized to FP8 E4M3 per token: gate_up (batch, seq, 2h) -> (values (batch, seq, h'),
     scales (batch, seq) float32), h' = h padded to a multiple of 128 (see `modulated_rms_norm_fp8`)."""
     b, s, d2 = gate_up.shape
@@ -186,14 +179,13 @@ def swiglu_fp8(gate_up: jax.Array, *, backend: str = "triton", interpret: bool =
             u = gu_ref[:, pl.ds(h + i * c, c)].astype(jnp.float32)
             y = _round(_round(g / (1.0 + jnp.exp(-g)), dtype) * u, dtype)  # as `swiglu`
             ys.append(y)
-            amax = jnp.maximum(amax, _row_amax(y))
-        _store_fp8_rows(ys, amax, c, q_ref, s_ref)
+            amax = jnp.maximum(amax, jnp.max(jnp.abs(y)))
+        _store_fp8_row(ys, amax, c, q_ref, s_ref)
 
-    return _row_call("swiglu_fp8", kernel, b, s, h, interpret, rows_per_program, [d2], [], gate_up)
+    return _row_call("swiglu_fp8", kernel, b, s, h, interpret, [_row_spec(d2)], gate_up)
 
 
-def tokens_fp8(y: jax.Array, *, backend: str = "triton", interpret: bool = False,
-               rows_per_program: int | None = None) -> tuple[jax.Array, jax.Array]:
+def tokens_fp8(y: jax.Array, *, backend: str = "triton", interpret: bool = False) -> tuple[jax.Array, jax.Array]:
     """y (batch, seq, d) quantized to FP8 E4M3 per token in one pass (each row read once): the input of SwiGLU's
     down projection when the gate/up GEMM applied SwiGLU in its epilogue (`gemm.swiglu_weight`). Returns as the
     others; the values and scales of `gemm.quantize_activations`."""
@@ -206,13 +198,13 @@ def tokens_fp8(y: jax.Array, *, backend: str = "triton", interpret: bool = False
 
     def kernel(y_ref, q_ref, s_ref):
         ys = [y_ref[:, pl.ds(i * c, c)].astype(jnp.float32) for i in range(d // c)]
-        _store_fp8_rows(ys, functools.reduce(jnp.maximum, [_row_amax(v) for v in ys]), c, q_ref, s_ref)
+        _store_fp8_row(ys, functools.reduce(jnp.maximum, [jnp.max(jnp.abs(v)) for v in ys]), c, q_ref, s_ref)
 
-    return _row_call("tokens_fp8", kernel, b, s, d, interpret, rows_per_program, [d], [], y)
+    return _row_call("tokens_fp8", kernel, b, s, d, interpret, [_row_spec(d)], y)
 
 
 def sigmoid_gated_fp8(out: jax.Array, stacked: jax.Array, gate_offset: int, *, backend: str = "triton",
-                      interpret: bool = False, rows_per_program: int | None = None) -> tuple[jax.Array, jax.Array]:
+                      interpret: bool = False) -> tuple[jax.Array, jax.Array]:
     """`sigmoid_gated(out, gate)` quantized to FP8 E4M3 per token, gate = stacked[..., gate_offset:gate_offset + d]:
     out (batch, seq, d); stacked (batch, seq, n) the product the gate is a slice of (read in place: a slice handed
     to a kernel would be copied first). Returns (values (batch, seq, d'), scales (batch, seq)) as the others."""
@@ -234,10 +226,10 @@ def sigmoid_gated_fp8(out: jax.Array, stacked: jax.Array, gate_offset: int, *, b
             g = stacked_ref[:, pl.ds(gate_offset + i * c, c)].astype(jnp.float32)
             y = _round(o * _round(1.0 / (1.0 + jnp.exp(-g)), dtype), dtype)  # as `sigmoid_gated`
             ys.append(y)
-            amax = jnp.maximum(amax, _row_amax(y))
-        _store_fp8_rows(ys, amax, c, q_ref, s_ref)
+            amax = jnp.maximum(amax, jnp.max(jnp.abs(y)))
+        _store_fp8_row(ys, amax, c, q_ref, s_ref)
 
-    return _row_call("sigmoid_gated_fp8", kernel, b, s, d, interpret, rows_per_program, [d, stacked.shape[2]], [],
+    return _row_call("sigmoid_gated_fp8", kernel, b, s, d, interpret, [_row_spec(d), _row_spec(stacked.shape[2])],
                      out, stacked)
 
 
@@ -250,9 +242,9 @@ def _check_backend(backend: str) -> None:
         raise ValueError(f"backend must be 'triton' or 'reference', got {backend!r}")
 
 
-def _store_fp8_rows(ys, amax, c, q_ref, s_ref):
-    """`gemm._fp8_e4m3_rows`' rule for a program's rows held as (rows, c) chunks, amax (rows, 1): scale amax / 448
-    (1 for a zero row; NaN for a row holding NaN or Inf, whose values then mean nothing)."""
+def _store_fp8_row(ys, amax, c, q_ref, s_ref):
+    """`gemm._fp8_e4m3_rows`' rule for one row held as chunks: scale amax / 448 (1 for a zero row; NaN for a row
+    holding NaN or Inf, whose values then mean nothing)."""
     from jax.experimental import pallas as pl
 
     finite = amax <= np.float32(np.finfo(np.float32).max)  # False for Inf and NaN
@@ -263,52 +255,34 @@ def _store_fp8_rows(ys, amax, c, q_ref, s_ref):
     s_ref[...] = jnp.where(finite, step, jnp.nan).reshape(s_ref.shape)
 
 
-def _row_sum(v: jax.Array) -> jax.Array:
-    return jnp.sum(v, axis=-1, keepdims=True)
+def _row_spec(d: int):
+    from jax.experimental import pallas as pl
 
-
-def _row_amax(v: jax.Array) -> jax.Array:
-    return jnp.max(jnp.abs(v), axis=-1, keepdims=True)
+    return pl.BlockSpec((None, 1, d), lambda bi, si: (bi, si, 0))
 
 
 def _vec_spec(d: int, batched: bool = True):
-    """A (1, d) vector every row of a program shares: one per image (`batched`) or one for all."""
     from jax.experimental import pallas as pl
 
     return pl.BlockSpec((1, d), (lambda bi, si: (bi, 0)) if batched else (lambda bi, si: (0, 0)))
 
 
-# (rows, warps) a program of each kernel. Several rows: the vectors they share (the norms' weight, scale and shift,
-# 4 bytes of them for each 2-byte value of a row) are read once for all of them. Measured on the H200 (NOTES.md,
-# session 11).
-ROW_PROGRAMS = {"modulated_rms_norm_fp8": (1, 8), "modulated_layer_norm_fp8": (1, 8), "swiglu_fp8": (1, 8),
-                "tokens_fp8": (1, 8), "sigmoid_gated_fp8": (1, 8)}
-
-
-def _row_call(name: str, kernel, b: int, s: int, d_out: int, interpret: bool, rows_per_program: int | None,
-              row_widths: list[int], vec_specs: list, *args):
-    """A program per `rows_per_program` rows (batch, tokens; None: `ROW_PROGRAMS[name]`'s, halved until it divides
-    the tokens) writing d_out FP8 values and a scale a row. args: the row inputs (their widths `row_widths`, blocks of
-    the program's rows), then the vectors (`vec_specs`); `name`: the kernel's, in profiles (the entry point's)."""
+def _row_call(name: str, kernel, b: int, s: int, d_out: int, interpret: bool, in_specs, *args):
+    """A program per row (batch, token) writing d_out FP8 values and the row's scale; `name`: the kernel's, in
+    profiles (the entry point's)."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import triton as pltriton
 
-    rows, warps = ROW_PROGRAMS[name]
-    rows = rows if rows_per_program is None else rows_per_program
-    if rows < 1 or rows & (rows - 1):
-        raise ValueError(f"{name}: rows_per_program must be a power of two, got {rows}")
-    while s % rows:
-        rows //= 2
-    row_specs = [pl.BlockSpec((None, rows, w), lambda bi, si: (bi, si, 0)) for w in row_widths]
     values, scales = pl.pallas_call(
         kernel,
-        grid=(b, s // rows),
-        in_specs=row_specs + vec_specs,
-        out_specs=[pl.BlockSpec((None, rows, d_out), lambda bi, si: (bi, si, 0)),
-                   pl.BlockSpec((None, rows, 1), lambda bi, si: (bi, si, 0))],
+        grid=(b, s),
+        in_specs=in_specs,
+        out_specs=[pl.BlockSpec((None, 1, d_out), lambda bi, si: (bi, si, 0)),
+                   pl.BlockSpec((None, 1, 1), lambda bi, si: (bi, si, 0))],
         out_shape=[jax.ShapeDtypeStruct((b, s, d_out), jnp.float8_e4m3fn),
                    jax.ShapeDtypeStruct((b, s, 1), jnp.float32)],
-        compiler_params=pltriton.CompilerParams(num_warps=warps, num_stages=1),
+        # 8 warps: a row of up to 16384 values is ~64 float32 registers a thread
+        compiler_params=pltriton.CompilerParams(num_warps=8, num_stages=1),
         interpret=interpret,
         name=name,
     )(*args)

@@ -843,7 +843,7 @@ def _cupti_seconds(fn, *inputs, iterations: int, by_kernel: bool = False):
     return statistics.median(totals), {k: statistics.median(v) for k, v in names.items()}
 
 
-def qk_prologue(args) -> list[dict]:
+def qk_prologue(args) -> None:
     """The INT8 attention's fused Q/K prologue (RMSNorm, rotary, K smoothing, INT8 per block: Krea 2's Q and K read
     in place from the stacked QKVG product) for each --heads-per-program x --warps x --split-pairs: CUPTI time of each
     kernel, and how far its codes and scales are from the first configuration's."""
@@ -860,7 +860,7 @@ def qk_prologue(args) -> list[dict]:
     cos, sin = (jnp.asarray(np.repeat(f(angles), 2, -1), jnp.float32) for f in (np.cos, np.sin))
     lengths = jnp.asarray([s - 8])
     print(f"\nQ/K prologue, {s} tokens, {h}/{hk} heads of {d}, stacked source; us per kernel (CUPTI)")
-    first, rows = None, []
+    first = None
     for group, warps, split in itertools.product(args.heads_per_program, args.warps, args.split_pairs):
         run = jax.jit(lambda x, norms, group=group, warps=warps, split=split: attention.int8_qk_prologue_stacked(
             x, h, hk, norms[0], norms[1], 1e-6, cos, sin, lengths, scale=d**-0.5, block_q=64, block_k=128,
@@ -882,57 +882,7 @@ def qk_prologue(args) -> list[dict]:
         parts = ", ".join(f"{name[:24]} {t * 1e6:.1f}"
                           for name, t in sorted(kernels.items(), key=lambda kv: -kv[1]))
         print(f"{label:<40} total {total * 1e6:7.1f}  codes differing {differ:.1e} (at most {furthest}), scales "
-              f"{scales:.1e}  {parts}", flush=True)
-        rows.append({"heads_per_program": group, "warps": warps, "split_pairs": split, "us": total * 1e6,
-                     "kernels_us": {k: t * 1e6 for k, t in kernels.items()}, "codes_differing": differ})
-    return rows
-
-
-def row_kernels(args) -> list[dict]:
-    """The FP8 row kernels (`pallas_kernels.activations`) at Krea 2's step shapes for each --rows x --warps (rows and
-    warps a program): CUPTI time of each, and whether its codes and scales equal the first configuration's."""
-    import jax
-    import jax.numpy as jnp
-    import numpy as np
-
-    from mxdit.pallas_kernels import activations
-
-    s, d, h, n = args.seq, args.dim, args.hidden, args.stacked
-    key = jax.random.split(jax.random.key(0), 5)
-    x = jax.random.normal(key[0], (1, s, d), jnp.float32).astype(jnp.bfloat16)
-    y = jax.random.normal(key[1], (1, s, h), jnp.float32).astype(jnp.bfloat16)
-    stacked = jax.random.normal(key[2], (1, s, n), jnp.float32).astype(jnp.bfloat16)
-    w = jax.random.normal(key[3], (d,), jnp.float32) * 0.1
-    sc, sh = (jax.random.normal(k, (1, 1, d), jnp.float32).astype(jnp.bfloat16) * 0.3 for k in jax.random.split(key[4]))
-    interpret = jax.default_backend() != "gpu"
-    cases = {
-        "modulated_rms_norm_fp8": (lambda x: activations.modulated_rms_norm_fp8(x, w, sc, sh, 1e-6,
-                                                                                interpret=interpret), x),
-        "tokens_fp8": (lambda y: activations.tokens_fp8(y, interpret=interpret), y),
-        "sigmoid_gated_fp8": (lambda x: activations.sigmoid_gated_fp8(x, stacked, n - d, interpret=interpret), x),
-    }
-    print(f"\nFP8 row kernels, {s} tokens (norm and gate {d} wide, tokens_fp8 {h}); us per kernel (CUPTI)")
-    results = []
-    for name, (fn, arg) in cases.items():
-        default, first = activations.ROW_PROGRAMS[name], None
-        for rows, warps in itertools.product(args.rows, args.warps):
-            activations.ROW_PROGRAMS[name] = (rows, warps)  # read when the kernel is traced: a new jit each
-            run = jax.jit(lambda a, fn=fn: fn(a))
-            label = f"{name:<24} {rows:3d} rows, {warps:2d} warps"
-            try:
-                out = jax.block_until_ready(run(arg))
-                seconds = _cupti_seconds(run, arg, iterations=args.iters)
-            except Exception as e:  # a configuration that does not compile here
-                print(f"{label}  error: {type(e).__name__}: {str(e).splitlines()[0][:200]}", flush=True)
-                continue
-            finally:
-                activations.ROW_PROGRAMS[name] = default
-            first = first or out
-            same = all(np.array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
-                       for a, b in zip(out, first))
-            print(f"{label}  {seconds * 1e6:7.1f} us  {'same' if same else 'DIFFERENT'} codes and scales", flush=True)
-            results.append({"kernel": name, "rows": rows, "warps": warps, "us": seconds * 1e6, "same": same})
-    return results
+              f"{scales:.1e}  {parts}")
 
 
 def jax_gemm(args) -> list[dict]:
@@ -1614,14 +1564,6 @@ def main(argv=None) -> None:
     p.add_argument("--split-pairs", nargs="+", type=lambda s: s == "yes", default=[False, True], metavar="{no,yes}",
                    help="load contiguously and split the rotary pairs in registers, or two stride-2 loads")
     p.add_argument("--iters", type=int, default=20)
-    p = sub.add_parser("row-kernels")
-    p.add_argument("--seq", type=int, default=4224)
-    p.add_argument("--dim", type=int, default=6144, help="the model's width (the norm's and the gated output's rows)")
-    p.add_argument("--hidden", type=int, default=16384, help="SwiGLU's width (tokens_fp8's rows)")
-    p.add_argument("--stacked", type=int, default=15360, help="the stacked QKVG product's width (the gate's source)")
-    p.add_argument("--rows", nargs="+", type=int, default=[1, 2, 4])
-    p.add_argument("--warps", nargs="+", type=int, default=[4, 8, 16])
-    p.add_argument("--iters", type=int, default=20)
     p = sub.add_parser("krea2-sharded-step")
     p.add_argument("--meshes", nargs="+", default=["", "seq=2", "seq=4", "seq=8"],
                    help='mesh texts as for generate.py --mesh ("" is one device)')
@@ -1672,7 +1614,6 @@ def main(argv=None) -> None:
         "flux-step": flux_step, "flux-step-diffusers": diffusers_flux_step, "flux-step-jax": jax_flux_step,
         "gemm": gemm_benchmark, "gemm-jax": jax_gemm, "gemm-torch": torch_gemm, "attention": attention_benchmark,
         "attention-jax": jax_attention, "attention-torch": torch_attention, "qk-prologue": qk_prologue,
-        "row-kernels": row_kernels,
         "krea2-sharded-step": krea2_sharded_step,
         "krea2-lora-step": lora_step, "krea2-lora-step-jax": jax_lora_step,
         "flux-lora-step": lora_step, "flux-lora-step-jax": jax_lora_step,

@@ -118,25 +118,8 @@ def test_non_finite_rows_get_a_nan_scale():
         assert np.isnan(float(scales[1, 4])) and np.isfinite(np.asarray(scales[0])).all()
 
 
-@pytest.mark.parametrize("rows", [2, 4, 8])
-def test_several_rows_a_program_give_the_values_of_one(rows):
-    """Each kernel with several rows a program (the shared vectors read once for them): the reference's values and
-    scales, bit for bit; 12 tokens, so 8 rows a program falls back to 4 (the largest that divides them), a zero row
-    and an outlier among them."""
-    x, w, scale, shift = _inputs(96, seq=12)
-    stacked = jnp.concatenate([x, (x * 0.5).astype(x.dtype)], axis=-1)
-    calls = [lambda **o: A.modulated_rms_norm_fp8(x, w, scale, shift, 1e-5, **o),
-             lambda **o: A.modulated_layer_norm_fp8(x, scale, shift, 1e-5, **o),
-             lambda **o: A.swiglu_fp8(stacked, **o), lambda **o: A.tokens_fp8(x, **o),
-             lambda **o: A.sigmoid_gated_fp8(x, stacked, 96, **o)]
-    for call in calls:
-        _same(call(interpret=True, rows_per_program=rows), call(backend="reference"))
-
-
 def test_bad_arguments_are_named():
     x, w, scale, shift = _inputs(64)
-    with pytest.raises(ValueError, match="rows_per_program must be a power of two, got 3"):
-        A.tokens_fp8(x, interpret=True, rows_per_program=3)
     with pytest.raises(ValueError, match="backend must be"):
         A.modulated_rms_norm_fp8(x, w, scale, shift, 1e-5, backend="mosaic")
     with pytest.raises(ValueError, match="row length 72 needs a power-of-two divisor"):
