@@ -718,8 +718,10 @@ def int8_qk_prologue_stacked(qkv, num_heads: int, num_kv_heads: int, norm_q, nor
 # Warps a program of the Q and of the K pass: at Krea 2's 4224 tokens (48 Q, 12 K heads, `benchmark.py qk-prologue`,
 # sessions 8 and 10) Q took 73 us with 16 and 96 with 8; K 27 with 8 and 42 with 16 (the same codes).
 PROLOGUE_WARPS = (16, 8)
-# Heads a program of the Q and of the K pass (the rotary tables, 2x the bytes of a head's tile, loaded once for them).
-PROLOGUE_HEADS = (1, 1)
+# Heads a program of the Q and of the K pass (the rotary tables loaded once for them): measured at 4224 tokens
+# (`benchmark.py qk-prologue`, session 11) Q 73.8 us with 4 heads and 16 warps against 82.2 with one (8 heads: 90.4,
+# 16: 91.3); K 31.0 with one head and 8 warps, 57.4 with 4 and 8 warps.
+PROLOGUE_HEADS = (4, 1)
 
 
 def _qk_prologue(q_src, q_heads, k_src, k_heads, norm_q, norm_k, eps, cos, sin, kv_lengths, *, scale, block_q,
