@@ -769,10 +769,10 @@ def _rms_rope_quantize(x, weight, eps, cos_half, sin_half, mean, lengths, multip
     """The kernel: a program per (batch, block of `block` tokens, group of `heads_per_program` heads; fewer when
     the heads or their first one are no multiple of it). 8 warps: half the registers a thread holds of the
     (block, head_dim) tile, twice the occupancy: 270 vs 549 us for Krea 2's Q at 4224 tokens (NOTES.md). A group's
-    heads are done one after the other (an unrolled loop) with the rotary tables loaded once: the tables (float32,
-    half a head's width) are twice the bytes of a head's bf16 tile, so with one head a program they were most of
-    what a program read (the kernel took ~5x what Q's own bytes take). Session 8's groups, one (block, group, half)
-    tile a program, measured slower (Q 103-174 us) and are gone. `heads` (first, count): only those heads of x, read
+    heads are done one after the other (an unrolled loop) with the rotary tables loaded once (float32, half a head's
+    width: twice the bytes of a head's bf16 tile). Measured (session 11, `PROLOGUE_HEADS`): Q 82 -> 74 us with 4
+    heads, still ~4x what its bytes take, so the tables' reads were not most of the cost. Session 8's groups, one
+    (block, group, half) tile a program, measured slower (Q 103-174 us) and are gone. `heads` (first, count): only those heads of x, read
     in place (all of them by default). `split_pairs`: load the tile contiguously and split the (real, imaginary)
     channel pairs in registers instead of two stride-2 loads; measured at 4224 tokens: Q 96 -> 82 us, K 27 -> 32 (as
     noisy), together < 1% of a step, so off by default. `block_sums`: instead of quantizing, the normed and rotated
