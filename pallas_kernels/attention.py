@@ -693,9 +693,8 @@ def int8_qk_prologue(q, k, norm_q, norm_k, eps: float, cos, sin, kv_lengths=None
     q: (batch, seq, heads, head_dim), k: (batch, seq, kv_heads, head_dim) as the projections give them (before the
     norms); norm_q, norm_k: (head_dim,) RMSNorm weights; cos, sin as `rms_rope_reference`. One kernel pass over Q
     and one over K; K's mean over the valid keys (for smoothing) takes one pass of the same kernel before it, which
-    sums each block's normed and rotated keys (`block_sums`). Returns qi, qs, ki, ks
-    as `_prologue` does (int8 values, float32 scales (batch, seq blocks, heads)), with channels in the order of
-    `_deinterleave`.
+    sums each block's normed and rotated keys (`block_sums`). Returns qi, qs, ki, ks as `_prologue` does (int8
+    values, float32 scales (batch, seq blocks, heads)), with channels in the order of `_deinterleave`.
     """
     return _qk_prologue(q, (0, q.shape[2]), k, (0, k.shape[2]), norm_q, norm_k, eps, cos, sin, kv_lengths,
                         scale=scale, block_q=block_q, block_k=block_k, smooth_k=smooth_k, interpret=interpret)
@@ -707,8 +706,8 @@ def int8_qk_prologue_stacked(qkv, num_heads: int, num_kv_heads: int, norm_q, nor
                              num_warps: int | None = None, split_pairs: bool = False):
     """`int8_qk_prologue` with Q and K read in place from one stacked projection (batch, seq, H, head_dim), whose
     heads are [Q (num_heads) | K (num_kv_heads) | ...]: no copy of Q or K sliced out of it first.
-    `heads_per_program`, `num_warps` (both passes; None: `PROLOGUE_HEADS`, `PROLOGUE_WARPS`), `split_pairs`: the kernel's (see
-    `_rms_rope_quantize`; `benchmark.py qk-prologue` times them)."""
+    `heads_per_program`, `num_warps` (both passes; None: `PROLOGUE_HEADS`, `PROLOGUE_WARPS`), `split_pairs`: the
+    kernel's (see `_rms_rope_quantize`; `benchmark.py qk-prologue` times them)."""
     return _qk_prologue(qkv, (0, num_heads), qkv, (num_heads, num_kv_heads), norm_q, norm_k, eps, cos, sin,
                         kv_lengths, scale=scale, block_q=block_q, block_k=block_k, smooth_k=smooth_k,
                         interpret=interpret, heads_per_program=heads_per_program, num_warps=num_warps,
@@ -727,8 +726,8 @@ PROLOGUE_HEADS = (4, 1)
 def _qk_prologue(q_src, q_heads, k_src, k_heads, norm_q, norm_k, eps, cos, sin, kv_lengths, *, scale, block_q,
                  block_k, smooth_k, interpret, heads_per_program: int | None = None, num_warps: int | None = None,
                  split_pairs: bool = False):
-    """The prologue on heads [first, first + count) of `q_src` and `k_src` (`q_heads`, `k_heads`); `num_warps` for
-    both passes (None: `PROLOGUE_WARPS`)."""
+    """The prologue on heads [first, first + count) of `q_src` and `k_src` (`q_heads`, `k_heads`);
+    `heads_per_program` and `num_warps` for both passes (None: `PROLOGUE_HEADS`, `PROLOGUE_WARPS`)."""
     b, s, _, d = q_src.shape
     (_, h), (_, hk) = q_heads, k_heads
     cos = jnp.broadcast_to(cos, (b, s, d)).astype(jnp.float32)[..., 0::2]  # pairs share a frequency: half the table
@@ -751,10 +750,6 @@ def _qk_prologue(q_src, q_heads, k_src, k_heads, norm_q, norm_k, eps, cos, sin, 
     return qi, qs, ki, ks
 
 
-def _full_tables(cos_half, sin_half):
-    return jnp.repeat(cos_half, 2, axis=-1), jnp.repeat(sin_half, 2, axis=-1)
-
-
 def _round_half_even(x: jax.Array) -> jax.Array:
     """jnp.round (half to even) from floor alone: the Triton lowering has no `round` primitive (found on the GPU),
     and the add-and-subtract-2^23 trick is folded away by XLA in interpret mode."""
@@ -766,18 +761,18 @@ def _round_half_even(x: jax.Array) -> jax.Array:
 def _rms_rope_quantize(x, weight, eps, cos_half, sin_half, mean, lengths, multiplier, block, interpret,
                        num_warps: int = 8, heads: tuple[int, int] | None = None, heads_per_program: int = 1,
                        split_pairs: bool = False, block_sums: bool = False):
-    """The kernel: a program per (batch, block of `block` tokens, group of `heads_per_program` heads; fewer when
-    the heads or their first one are no multiple of it). 8 warps: half the registers a thread holds of the
-    (block, head_dim) tile, twice the occupancy: 270 vs 549 us for Krea 2's Q at 4224 tokens (NOTES.md). A group's
-    heads are done one after the other (an unrolled loop) with the rotary tables loaded once (float32, half a head's
-    width: twice the bytes of a head's bf16 tile). Measured (session 11, `PROLOGUE_HEADS`): Q 82 -> 74 us with 4
-    heads, still ~4x what its bytes take, so the tables' reads were not most of the cost. Session 8's groups, one
-    (block, group, half) tile a program, measured slower (Q 103-174 us) and are gone. `heads` (first, count): only those heads of x, read
-    in place (all of them by default). `split_pairs`: load the tile contiguously and split the (real, imaginary)
-    channel pairs in registers instead of two stride-2 loads; measured at 4224 tokens: Q 96 -> 82 us, K 27 -> 32 (as
-    noisy), together < 1% of a step, so off by default. `block_sums`: instead of quantizing, the normed and rotated
-    values summed over each block's valid tokens, (batch, blocks, heads, head_dim) float32 in `_deinterleave`'s
-    order (K smoothing's mean; `mean` and `multiplier` are not used)."""
+    """The kernel: a program per (batch, block of `block` tokens, group of `heads_per_program` heads; fewer when the
+    heads or their first one are no multiple of it). 8 warps: half the registers a thread holds of the (block,
+    head_dim) tile, twice the occupancy: 270 vs 549 us for Krea 2's Q at 4224 tokens (NOTES.md). A group's heads are
+    done one after the other (an unrolled loop) with the rotary tables loaded once (float32, half a head's width:
+    twice the bytes of a head's bf16 tile). Measured (session 11, `PROLOGUE_HEADS`): Q 82 -> 74 us with 4 heads,
+    still ~4x what its bytes take, so the tables' reads were not most of the cost. Session 8's groups, one (block,
+    group, half) tile a program, measured slower (Q 103-174 us) and are gone. `heads` (first, count): only those
+    heads of x, read in place (all of them by default). `split_pairs`: load the tile contiguously and split the
+    (real, imaginary) channel pairs in registers instead of two stride-2 loads; measured at 4224 tokens: Q 96 -> 82
+    us, K 27 -> 32 (as noisy), together < 1% of a step, so off by default. `block_sums`: instead of quantizing, the
+    normed and rotated values summed over each block's valid tokens, (batch, blocks, heads, head_dim) float32 in
+    `_deinterleave`'s order (K smoothing's mean; `mean` and `multiplier` are not used)."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import triton as pltriton
 
