@@ -9,7 +9,8 @@ reaches about half of cuDNN's speed on the H200 (NOTES.md). The recipe (`../shar
   per-row constant, so the output is unchanged, while the channel outliers real DiTs have in K stop dominating the
   INT8 range.
 - Q (with the softmax scale folded in) and smoothed K are quantized to INT8 per block of `block_q` query / `block_k`
-  key tokens and head, scale = amax / 127; Q.K^T is an INT8 product with INT32 accumulation, rescaled by the two
+  key tokens and head, scale = amax / 127 (the Mosaic kernel that makes Q from the raw projection itself: per query
+  row, `block_q=1` here); Q.K^T is an INT8 product with INT32 accumulation, rescaled by the two
   block scales; the softmax runs in float32.
 - P.V in bfloat16 (`pv="bf16"`), or in FP8 (`pv="fp8"`): V per channel to E4M3 (scale amax / 448), P with the fixed
   scale 448 (P lies in [0, 1]), float32 accumulation.
@@ -19,6 +20,7 @@ reaches about half of cuDNN's speed on the H200 (NOTES.md). The recipe (`../shar
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
@@ -385,6 +387,128 @@ def _p_as_8bit_operand(p: jax.Array) -> jax.Array:
     return regroup(p)
 
 
+@dataclasses.dataclass(frozen=True)
+class MosaicQPrologue:
+    """What the Mosaic kernel needs to make INT8 Q itself from the raw projection (`_int8_attention_mosaic`'s
+    `q_prologue`): the RMSNorm weight (head_dim,) (zero-centred: `1 + weight` scales), its eps, the rotary tables
+    cos, sin ((seq, head_dim) or (batch, seq, head_dim), each frequency repeated for its pair, as
+    `rms_rope_reference` takes them), the softmax scale and the number of query heads (the first heads of Q's
+    source)."""
+
+    norm_weight: jax.Array
+    eps: float
+    cos: jax.Array
+    sin: jax.Array
+    scale: float
+    num_heads: int
+
+    def tables(self, b: int, s: int) -> tuple[jax.Array, jax.Array]:
+        """cos and sin, one value a pair, float32 (1 or batch, seq, head_dim / 2), in `_pair_table_order` (what a
+        thread of the WGMMA layout needs of them, `_pairs_from_table`)."""
+        d = self.cos.shape[-1]
+        cos, sin = (jnp.asarray(t, jnp.float32).reshape(-1, s, d) for t in (self.cos, self.sin))
+        if cos.shape[0] not in (1, b):
+            raise ValueError(f"rotary tables {self.cos.shape}: not (seq, {d}) or ({b}, {s}, {d})")
+        return tuple(_pair_table_order(t[..., 0::2]) for t in (cos, sin))
+
+    def weight(self) -> jax.Array:
+        return 1.0 + self.norm_weight.astype(jnp.float32)
+
+
+def _pair_table_order(half: jax.Array, inverse: bool = False) -> jax.Array:
+    """A table of one value a channel pair (..., pairs) reordered so that, read as a (rows, pairs) array in the
+    WGMMA layout, each thread's register vector at column tile t holds the values of its pairs in the tiles 2t and
+    2t + 1 of the full (rows, 2 * pairs) array: position 8t + 2c + e <- pair 4 (2t + e) + c (lane c of 4). Half the
+    bytes of a full table, and no data moved between threads to widen it (`_pairs_from_table`). `inverse`: back."""
+    *lead, n = half.shape
+    shape, order = ((n // 8, 4, 2), (0, 2, 1)) if inverse else ((n // 8, 2, 4), (0, 2, 1))
+    return half.reshape(*lead, *shape).transpose(*range(len(lead)), *(len(lead) + i for i in order)).reshape(half.shape)
+
+
+def _pairs_from_table(table: jax.Array, interpret: bool) -> jax.Array:
+    """(rows, pairs) in `_pair_table_order`, WGMMA layout -> (rows, 2 * pairs) with each pair's value at both its
+    channels: register vector (t, e) of the table, split in its two values, is the full array's tiles 2t + e."""
+    if interpret:
+        return jnp.repeat(_pair_table_order(table, inverse=True), 2, axis=1)
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+    from jax.experimental.mosaic.gpu import fragmented_array as fa
+    from jax.experimental.mosaic.gpu import utils as mgpu_utils
+
+    rows, pairs = table.shape
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA,),
+                       return_type=plgpu.ShapeDtypeStruct((rows, 2 * pairs), table.dtype, layout=plgpu.Layout.WGMMA))
+    def widen(_, x):
+        shape = fa.WGMMA_LAYOUT.registers_shape((rows, 2 * pairs))
+        registers = np.empty(shape, dtype=object)
+        for index in np.ndindex(shape):  # index[1]: the column tile of 8
+            value = mgpu_utils.vector_slice(x.registers[(index[0], index[1] // 2, *index[2:])],
+                                            slice(index[1] % 2, index[1] % 2 + 1))
+            registers[index] = mgpu_utils.vector_concat([value, value])
+        return fa.FragmentedArray(_registers=registers, _layout=fa.WGMMA_LAYOUT, _is_signed=None)
+
+    return widen(table)
+
+
+def _rotate_pairs(x: jax.Array, interpret: bool) -> jax.Array:
+    """x (rows, dim) float32 in the WGMMA layout with each channel pair (a, b) made (-b, a), the rotary
+    embedding's quarter turn (`rms_rope_reference`'s `rotated`): the layout's register vectors are pairs of
+    neighbouring columns, so no data moves between threads (Mosaic GPU has no op for this; built on
+    FragmentedArray's internals as `_p_as_8bit_operand`). The interpreter, which has no registers, uses a reshape."""
+    if interpret:
+        r, d = x.shape
+        pairs = x.reshape(r, d // 2, 2)
+        return jnp.stack([-pairs[..., 1], pairs[..., 0]], axis=-1).reshape(r, d)
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+    from jax._src.lib.mlir.dialects import arith
+    from jax.experimental.mosaic.gpu import fragmented_array as fa
+    from jax.experimental.mosaic.gpu import utils as mgpu_utils
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA,),
+                       return_type=plgpu.ShapeDtypeStruct(x.shape, x.dtype, layout=plgpu.Layout.WGMMA))
+    def rotate(_, y):
+        registers = np.empty(y.registers.shape, dtype=object)
+        for index in np.ndindex(registers.shape):
+            pair = y.registers[index]
+            registers[index] = mgpu_utils.vector_concat([arith.negf(mgpu_utils.vector_slice(pair, slice(1, 2))),
+                                                         mgpu_utils.vector_slice(pair, slice(0, 1))])
+        return fa.FragmentedArray(_registers=registers, _layout=y.layout, _is_signed=None)
+
+    return rotate(x)
+
+
+def _mosaic_q_prologue(raw_ref, q_ref, cos_ref, sin_ref, w_ref, prologue: MosaicQPrologue,
+                       interpret: bool) -> jax.Array:
+    """One compute warpgroup's Q tile in the Mosaic kernel: the raw rows (`raw_ref`), normed (weight `w_ref`),
+    rotated (tables `cos_ref`, `sin_ref` in `_pair_table_order`), times the softmax scale and quantized to INT8
+    per row into `q_ref` (for wgmma); all in shared memory, arrived by TMA. Returns the rows' scales (rows,) in the
+    layout of the logits' row reductions. The arithmetic is `rms_rope_reference`'s, then `_quantize_int8_blocks`'
+    with one row a block (up to rounding). Measured (session 12, Krea 2's attention at 4224 tokens): with the
+    tables read from global memory by each thread this cost ~60 us a call more, as much as the Q prologue's pass."""
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+    from jax import lax
+
+    layout = plgpu.Layout.WGMMA
+    x = plgpu.load(raw_ref, layout=layout).astype(jnp.float32)
+    d = x.shape[1]
+    inv = lax.rsqrt((x * x).sum(axis=1) / d + prologue.eps)
+    w = plgpu.load(w_ref, layout=layout.reduce(0), optimized=False)
+    y = x * lax.broadcast_in_dim(inv, x.shape, [0]) * lax.broadcast_in_dim(w, x.shape, [1])
+    cos = _pairs_from_table(plgpu.load(cos_ref, layout=layout), interpret)
+    sin = _pairs_from_table(plgpu.load(sin_ref, layout=layout), interpret)
+    y = y * cos + _rotate_pairs(y, interpret) * sin
+    # The softmax scale goes into the row's scale, not into each value; and a multiply by the reciprocal, not a
+    # division (27 us of the kernel's time at Krea 2's size, session 12): the codes may differ from the reference's
+    # y * scale / step where a value lies within an ulp of a rounding tie.
+    amax = jnp.abs(y).max(axis=1)
+    positive = amax > 0
+    inverse = jnp.where(positive, 127.0 / amax, 1.0)
+    q = jnp.clip(jnp.round(y * lax.broadcast_in_dim(inverse, y.shape, [0])), -127.0, 127.0)
+    q_ref[...] = q.astype(jnp.int8)
+    plgpu.commit_smem()  # visible to wgmma's (async proxy) reads
+    return jnp.where(positive, amax * (prologue.scale / 127.0), 1.0)
+
+
 def compute_registers(compute_wgs: int, memory_registers: int = 40) -> int:
     """The registers a thread of each compute warpgroup can take with `setmaxnreg` when the memory warpgroup keeps
     `memory_registers`: the SM has 65536, and the count must be a multiple of 8. Asking for more does not fail; the
@@ -395,7 +519,8 @@ def compute_registers(compute_wgs: int, memory_registers: int = 40) -> int:
 
 
 def _int8_attention_mosaic(qi, qs, ki, ks, v, kv_lengths, *, pv, block_k, num_stages, p_in_smem=None,
-                           pv_accumulation="two_level", interpret=False, lower_only=False, out_dtype=jnp.float32):
+                           pv_accumulation="two_level", interpret=False, lower_only=False, out_dtype=jnp.float32,
+                           q_prologue: MosaicQPrologue | None = None):
     """The Mosaic GPU kernel on quantized Q (per 64 rows) and K (per `block_k` keys), (batch, seq, heads, dim) int8
     with scales (batch, seq blocks, heads), and V (batch, kv_len, kv_heads, dim) in a float dtype (the keys past
     `kv_lengths` are zeroed here). Returns `out_dtype` (batch, q_len, heads, dim).
@@ -419,6 +544,13 @@ def _int8_attention_mosaic(qi, qs, ki, ks, v, kv_lengths, *, pv, block_k, num_st
     only in interpret mode, whose wgmma reads operands from shared memory only) sends P, bf16 or FP8, through shared
     memory, with a fresh accumulator per block.
 
+    `q_prologue` (`MosaicQPrologue`): `qi` is the raw Q projection instead (batch, seq, heads >= its num_heads,
+    dim; the first num_heads heads are Q, read in place) and `qs` is not used: each compute warpgroup loads its 64
+    rows, applies the RMSNorm, the rotary embedding and the softmax scale, and quantizes them to INT8 per row into
+    shared memory before its key loop (`int8_attention_mosaic_q_reference` states the numerics). K must then be in
+    the natural channel order (`int8_k_prologue`), not `_deinterleave`'s. This replaces the Q prologue's pass (2.4
+    ms a step of full-size Krea 2 at 1024^2, session 11's profile), its INT8 write and the kernel's read of it.
+
     `lower_only`: return the lowered (cuda) computation instead of running it; CPU tests use it to check that the
     real Mosaic lowering accepts every variant.
     """
@@ -427,12 +559,14 @@ def _int8_attention_mosaic(qi, qs, ki, ks, v, kv_lengths, *, pv, block_k, num_st
     from jax import lax
 
     b, sq, h, d = qi.shape
+    if q_prologue is not None:
+        h = q_prologue.num_heads
     sk, hk = ki.shape[1], ki.shape[2]
     group = h // hk
     rows = MOSAIC_ROWS
     if d % 64 or d > 256 or block_k % 64 or block_k > 256:
         raise ValueError(f"mosaic attention: head_dim {d} and block_k {block_k} must be multiples of 64, at most 256")
-    if qs.shape[1] != pl.cdiv(sq, rows):
+    if q_prologue is None and qs.shape[1] != pl.cdiv(sq, rows):
         raise ValueError(f"mosaic attention: Q must be quantized per {rows} rows")
     if p_in_smem is None:
         p_in_smem = interpret
@@ -449,10 +583,15 @@ def _int8_attention_mosaic(qi, qs, ki, ks, v, kv_lengths, *, pv, block_k, num_st
     stages = max(1, min(num_stages, n_k))
     lengths = _key_lengths(kv_lengths, b, sk)
     tail_masked = kv_lengths is not None or pad_k > 0  # else no key of any block is masked
-    qi = jnp.pad(qi, ((0, 0), (0, pad_q), (0, 0), (0, 0)))
+    qi = jnp.pad(qi, ((0, 0), (0, pad_q), (0, 0), (0, 0)))  # (a copy only where the rows are no multiple of 128)
     ki = jnp.pad(ki, ((0, 0), (0, pad_k), (0, 0), (0, 0)))
-    # scales read as scalars from global memory: (batch, heads, blocks); padded query rows get scale 1
-    qs = jnp.pad(qs, ((0, 0), (0, 2 * n_q - qs.shape[1]), (0, 0)), constant_values=1.0).transpose(0, 2, 1)
+    if q_prologue is None:  # scales read as scalars from global memory: (batch, heads, blocks); padding's are 1
+        qs = jnp.pad(qs, ((0, 0), (0, 2 * n_q - qs.shape[1]), (0, 0)), constant_values=1.0).transpose(0, 2, 1)
+        q_tables = ()
+    else:  # the rotary tables and the norm's weight, copied in with the raw Q tile
+        qs = jnp.zeros((1,), jnp.float32)
+        q_tables = tuple(jnp.pad(t, ((0, 0), (0, pad_q), (0, 0))) for t in q_prologue.tables(b, sq)) + (
+            jnp.broadcast_to(q_prologue.weight(), (2, d)),)  # a copy for each compute warpgroup's slot
     ks = ks.transpose(0, 2, 1)
     if pv == "fp8":
         def v_operand(v):
@@ -474,8 +613,11 @@ def _int8_attention_mosaic(qi, qs, ki, ks, v, kv_lengths, *, pv, block_k, num_st
     # are applied in the kernel's epilogue, so no pass after it (40 us a block in the step, session 10's profile).
     kernel_out = jnp.dtype(out_dtype)
 
-    def kernel(q_gmem, qs_gmem, k_gmem, ks_gmem, v_gmem, vs_gmem, len_gmem, o_gmem, scoped):
-        (q_smem, k_smem, v_smem, p_smem, o_smem), (q_full, k_full, v_full), (k_free, v_free), schedule = scoped
+    def kernel(q_gmem, qs_gmem, k_gmem, ks_gmem, v_gmem, vs_gmem, len_gmem, tables, o_gmem, scoped):
+        (q_smem, k_smem, v_smem, p_smem, o_smem, q_raw_smem), (q_full, k_full, v_full), (k_free, v_free), schedule, \
+            table_smem, table_full = scoped
+        if q_raw_smem is None:
+            q_raw_smem = o_smem
         head, q_block, batch = lax.axis_index("heads"), lax.axis_index("q_seq"), lax.axis_index("batch")
         wg = lax.axis_index("wg")
         kv_head = head // group
@@ -490,9 +632,22 @@ def _int8_attention_mosaic(qi, qs, ki, ks, v, kv_lengths, *, pv, block_k, num_st
         def _compute():
             plgpu.set_max_registers(compute_registers(2), action="increase")
             row0 = q_block * (2 * rows) + wg * rows
-            plgpu.copy_gmem_to_smem(q_gmem.at[batch, pl.ds(row0, rows), head], q_smem.at[wg], q_full.at[wg])
-            q_scale = qs_gmem[batch, head, q_block * 2 + wg] * log2e  # logits in base 2: exp2 below
-            plgpu.barrier_wait(q_full.at[wg])
+            if q_prologue is None:
+                plgpu.copy_gmem_to_smem(q_gmem.at[batch, pl.ds(row0, rows), head], q_smem.at[wg], q_full.at[wg])
+                q_scale = qs_gmem[batch, head, q_block * 2 + wg] * log2e  # logits in base 2: exp2 below
+                plgpu.barrier_wait(q_full.at[wg])
+            else:  # per-row scales (rows,), in the layout of the logits' row reductions
+                plgpu.copy_gmem_to_smem(q_gmem.at[batch, pl.ds(row0, rows), head], q_raw_smem.at[wg],
+                                        q_full.at[wg])
+                cos_gmem, sin_gmem, w_gmem = tables
+                tb = batch if cos_gmem.shape[0] > 1 else 0  # the tables' batch
+                sources = (cos_gmem.at[tb, pl.ds(row0, rows)], sin_gmem.at[tb, pl.ds(row0, rows)], w_gmem.at[wg])
+                for src, dst, full in zip(sources, table_smem, table_full):
+                    plgpu.copy_gmem_to_smem(src, dst.at[wg], full.at[wg])
+                for full in (q_full, *table_full):
+                    plgpu.barrier_wait(full.at[wg])
+                q_scale = _mosaic_q_prologue(q_raw_smem.at[wg], q_smem.at[wg], *(ref.at[wg] for ref in table_smem),
+                                             q_prologue, interpret) * log2e
             m = plgpu.layout_cast(jnp.full((rows,), -jnp.inf, jnp.float32), wgmma_layout.reduce(1))
             l = plgpu.layout_cast(jnp.zeros((rows,), jnp.float32), wgmma_layout.reduce(1))
             acc = plgpu.layout_cast(jnp.zeros((rows, d), jnp.float32), wgmma_layout)
@@ -511,14 +666,14 @@ def _int8_attention_mosaic(qi, qs, ki, ks, v, kv_lengths, *, pv, block_k, num_st
                     cols = plgpu.broadcasted_iota(jnp.int32, (rows, block_k), 1, layout=wgmma_layout)
                     s = jnp.where(cols < length - j * block_k, s, -jnp.inf)
                 # The block's dequantization scale (> 0) folds into the exponent's multiply-add.
-                c = q_scale * ks_gmem[batch, kv_head, j]
+                c = q_scale * ks_gmem[batch, kv_head, j]  # a scalar, or (rows,) with Q's scales per row
                 m_new = jnp.maximum(m, (s.max(axis=1) - _MAGIC_FLOAT) * c)
                 alpha = jnp.exp2(m - m_new)
                 # exp2(logit - m_new) * p_max as exp2(s * c - (m_new + bias * c - log2(p_max))): FP8's fixed scale
                 # 448 is in the exponent too, so no multiply either; l sums P so scaled, and acc / l cancels it.
                 # Rounding the per-row term moves a block's exponent by at most one integer logit unit (c).
                 shift = lax.broadcast_in_dim(m_new + (_MAGIC_FLOAT * c - log2_p_max), s.shape, [0])
-                p = jnp.exp2(s * c - shift)
+                p = jnp.exp2(s * (c if q_prologue is None else lax.broadcast_in_dim(c, s.shape, [0])) - shift)
                 l = l * alpha + p.sum(axis=1)
                 return p.astype(p_dtype), m_new, l, alpha
 
@@ -624,7 +779,8 @@ def _int8_attention_mosaic(qi, qs, ki, ks, v, kv_lengths, *, pv, block_k, num_st
                     plgpu.barrier_wait(k_free.at[i])
                     plgpu.barrier_wait(v_free.at[i])
 
-    def entry(q_gmem, qs_gmem, k_gmem, ks_gmem, v_gmem, vs_gmem, len_gmem, o_gmem):
+    def entry(q_gmem, qs_gmem, k_gmem, ks_gmem, v_gmem, vs_gmem, len_gmem, *rest):
+        *tables, o_gmem = rest
         int8_transforms = _mosaic_transforms(1, d)
         smem = [
             plgpu.SMEM((2, rows, d), jnp.int8, transforms=int8_transforms),
@@ -633,13 +789,27 @@ def _int8_attention_mosaic(qi, qs, ki, ks, v, kv_lengths, *, pv, block_k, num_st
             plgpu.SMEM((2, rows, block_k), p_dtype, transforms=_mosaic_transforms(jnp.dtype(p_dtype).itemsize,
                                                                                    block_k)) if p_in_smem else None,
             plgpu.SMEM((2, rows, d), kernel_out, transforms=_mosaic_transforms(jnp.dtype(kernel_out).itemsize, d)),
+            # raw Q's tiles: the output tiles' buffer when their dtypes agree (Q is read before the key loop, the
+            # output written after it), which keeps bf16 P.V with the tables within shared memory
+            None if q_prologue is None or qi.dtype == kernel_out else plgpu.SMEM(
+                (2, rows, d), qi.dtype, transforms=_mosaic_transforms(qi.dtype.itemsize, d)),
         ]
+        if q_prologue is None:
+            tables_scoped = (None, None)
+        else:  # cos, sin (one value a pair, `_pair_table_order`) and the norm's weight, a slot each warpgroup
+            half_transforms = _mosaic_transforms(4, d // 2)
+            tables_scoped = ((plgpu.SMEM((2, rows, d // 2), jnp.float32, transforms=half_transforms),
+                              plgpu.SMEM((2, rows, d // 2), jnp.float32, transforms=half_transforms),
+                              plgpu.SMEM((2, d), jnp.float32)),
+                             (plgpu.Barrier(num_barriers=2),) * 3)
         pl.run_scoped(
-            lambda *scoped: kernel(q_gmem, qs_gmem, k_gmem, ks_gmem, v_gmem, vs_gmem, len_gmem, o_gmem, scoped),
+            lambda *scoped: kernel(q_gmem, qs_gmem, k_gmem, ks_gmem, v_gmem, vs_gmem, len_gmem, tables, o_gmem,
+                                   scoped),
             smem,
             (plgpu.Barrier(num_barriers=2), plgpu.Barrier(num_barriers=stages), plgpu.Barrier(num_barriers=stages)),
             (plgpu.Barrier(num_arrivals=2, num_barriers=stages),) * 2,
             plgpu.Barrier(num_arrivals=2),
+            *tables_scoped,
             collective_axes="wg",
         )
 
@@ -655,12 +825,12 @@ def _int8_attention_mosaic(qi, qs, ki, ks, v, kv_lengths, *, pv, block_k, num_st
         interpret=plgpu.InterpretGPUParams() if interpret else None,
     )
 
-    def run(qi, qs, ki, ks, v, lengths):
-        return call(qi, qs, ki, ks, *v_operand(v), lengths)[:, :sq]
+    def run(qi, qs, ki, ks, v, lengths, q_tables):
+        return call(qi, qs, ki, ks, *v_operand(v), lengths, *q_tables)[:, :sq]
 
     if lower_only:
-        return jax.jit(run).trace(qi, qs, ki, ks, v, lengths).lower(lowering_platforms=("cuda",))
-    return run(qi, qs, ki, ks, v, lengths)
+        return jax.jit(run).trace(qi, qs, ki, ks, v, lengths, q_tables).lower(lowering_platforms=("cuda",))
+    return run(qi, qs, ki, ks, v, lengths, q_tables)
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -725,9 +895,10 @@ PROLOGUE_HEADS = (4, 1)
 
 def _qk_prologue(q_src, q_heads, k_src, k_heads, norm_q, norm_k, eps, cos, sin, kv_lengths, *, scale, block_q,
                  block_k, smooth_k, interpret, heads_per_program: int | None = None, num_warps: int | None = None,
-                 split_pairs: bool = False):
+                 split_pairs: bool = False, k_only: bool = False):
     """The prologue on heads [first, first + count) of `q_src` and `k_src` (`q_heads`, `k_heads`);
-    `heads_per_program` and `num_warps` for both passes (None: `PROLOGUE_HEADS`, `PROLOGUE_WARPS`)."""
+    `heads_per_program` and `num_warps` for both passes (None: `PROLOGUE_HEADS`, `PROLOGUE_WARPS`). `k_only`: no
+    Q pass (qi, qs None), and K in the natural channel order (for the Mosaic kernel that makes Q itself)."""
     b, s, _, d = q_src.shape
     (_, h), (_, hk) = q_heads, k_heads
     cos = jnp.broadcast_to(cos, (b, s, d)).astype(jnp.float32)[..., 0::2]  # pairs share a frequency: half the table
@@ -742,11 +913,13 @@ def _qk_prologue(q_src, q_heads, k_src, k_heads, norm_q, norm_k, eps, cos, sin, 
         sums = kernel(k_src, norm_k, eps, cos, sin, None, lengths, 1.0, block_k, interpret, heads=k_heads,
                       num_warps=k_warps, heads_per_program=k_group, block_sums=True)
         k_mean = jnp.sum(sums, axis=1) / jnp.maximum(valid.sum(axis=1), 1)[:, None, None]
-    q_mean = jnp.zeros((b, h, d), jnp.float32)
-    qi, qs = kernel(q_src, norm_q, eps, cos, sin, q_mean, None, scale, block_q, interpret, heads=q_heads,
-                    num_warps=q_warps, heads_per_program=q_group)
+    qi = qs = None
+    if not k_only:
+        q_mean = jnp.zeros((b, h, d), jnp.float32)
+        qi, qs = kernel(q_src, norm_q, eps, cos, sin, q_mean, None, scale, block_q, interpret, heads=q_heads,
+                        num_warps=q_warps, heads_per_program=q_group)
     ki, ks = kernel(k_src, norm_k, eps, cos, sin, k_mean, lengths, 1.0, block_k, interpret,
-                    heads=k_heads, num_warps=k_warps, heads_per_program=k_group)
+                    heads=k_heads, num_warps=k_warps, heads_per_program=k_group, natural_order=k_only)
     return qi, qs, ki, ks
 
 
@@ -760,7 +933,7 @@ def _round_half_even(x: jax.Array) -> jax.Array:
 
 def _rms_rope_quantize(x, weight, eps, cos_half, sin_half, mean, lengths, multiplier, block, interpret,
                        num_warps: int = 8, heads: tuple[int, int] | None = None, heads_per_program: int = 1,
-                       split_pairs: bool = False, block_sums: bool = False):
+                       split_pairs: bool = False, block_sums: bool = False, natural_order: bool = False):
     """The kernel: a program per (batch, block of `block` tokens, group of `heads_per_program` heads; fewer when the
     heads or their first one are no multiple of it). 8 warps: half the registers a thread holds of the (block,
     head_dim) tile, twice the occupancy: 270 vs 549 us for Krea 2's Q at 4224 tokens (NOTES.md). A group's heads are
@@ -772,7 +945,9 @@ def _rms_rope_quantize(x, weight, eps, cos_half, sin_half, mean, lengths, multip
     (real, imaginary) channel pairs in registers instead of two stride-2 loads; measured at 4224 tokens: Q 96 -> 82
     us, K 27 -> 32 (as noisy), together < 1% of a step, so off by default. `block_sums`: instead of quantizing, the
     normed and rotated values summed over each block's valid tokens, (batch, blocks, heads, head_dim) float32 in
-    `_deinterleave`'s order (K smoothing's mean; `mean` and `multiplier` are not used)."""
+    `_deinterleave`'s order (K smoothing's mean; `mean` and `multiplier` are not used). `natural_order`: the
+    INT8 values in the input's channel order (the Mosaic kernel's order when it makes Q itself), not
+    `_deinterleave`'s; `mean` stays in the latter."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import triton as pltriton
 
@@ -824,9 +999,12 @@ def _rms_rope_quantize(x, weight, eps, cos_half, sin_half, mean, lengths, multip
                 real, imag = jnp.where(keep, real, 0.0), jnp.where(keep, imag, 0.0)
             amax = jnp.maximum(jnp.max(jnp.abs(real)), jnp.max(jnp.abs(imag)))
             step = jnp.where(amax > 0, amax / 127.0, 1.0)
-            for start, v in ((0, real), (half, imag)):
-                q = jnp.clip(_round_half_even(v / step), -127, 127).astype(jnp.int8)
-                q_ref[:, one, pl.ds(start, half)] = q.reshape(block, 1, half)
+            parts = [jnp.clip(_round_half_even(v / step), -127, 127).astype(jnp.int8) for v in (real, imag)]
+            if natural_order:  # the pairs joined in registers: one contiguous store (strided ones: +12% time)
+                q_ref[:, one, :] = jnp.stack(parts, axis=-1).reshape(block, 1, d)
+            else:  # `_deinterleave`'s order: the halves
+                for start, q in zip((0, half), parts):
+                    q_ref[:, one, pl.ds(start, half)] = q.reshape(block, 1, half)
             scale_ref[one] = step.reshape(1)
 
     def sums_kernel(lengths_ref, x_ref, c_ref, s_ref, we_ref, wo_ref, sum_ref):
@@ -873,9 +1051,15 @@ def int8_attention_fused(q, k, v, norm_q, norm_k, eps: float, cos, sin, *, kv_le
     """`int8_attention` of the normed and rotated Q and K, from the raw projections: the fused prologue
     (`int8_qk_prologue`, Triton lowering) replaces the models' RMSNorm and rotary steps and the quantization pass.
     Arguments as `int8_qk_prologue` and `int8_attention` (backend: the attention kernel's); returns `out_dtype`
-    (batch, seq, heads, head_dim)."""
+    (batch, seq, heads, head_dim). With the Mosaic backend and Q in `out_dtype` (the models' case), the kernel
+    makes INT8 Q itself, per row (`_q_in_kernel`); only K's prologue runs as a pass."""
     _, scale = _heads_and_scale(q, k, scale)
     _check_pv(pv)
+    if backend == "mosaic" and _q_in_kernel(q.dtype, out_dtype):
+        return _mosaic_with_q_in_kernel(q, q.shape[2], k, (0, k.shape[2]), v, norm_q, norm_k, eps, cos, sin,
+                                        kv_lengths, scale=scale, pv=pv, block_q=block_q, block_k=block_k,
+                                        interpret=interpret, num_stages=num_stages, out_dtype=out_dtype,
+                                        pv_accumulation=pv_accumulation)
     qi, qs, ki, ks = int8_qk_prologue(q, k, norm_q, norm_k, eps, cos, sin, kv_lengths, scale=scale, block_q=block_q,
                                       block_k=block_k, interpret=interpret)
     return _fused_attention(qi, qs, ki, ks, v, kv_lengths, pv=pv, block_q=block_q, block_k=block_k,
@@ -905,13 +1089,43 @@ def int8_attention_fused_stacked(qkv, num_heads: int, num_kv_heads: int, norm_q,
                                     block_q=block_q, block_k=block_k, scale=scale, interpret=interpret,
                                     num_warps=num_warps, num_stages=num_stages, backend=backend, out_dtype=out_dtype,
                                     pv_accumulation=pv_accumulation)
-    qi, qs, ki, ks = int8_qk_prologue_stacked(x, num_heads, num_kv_heads, norm_q, norm_k, eps, cos, sin, kv_lengths,
-                                              scale=scale, block_q=block_q,
-                                              block_k=block_k, interpret=interpret)
     v = x[:, :, num_heads + num_kv_heads:num_heads + 2 * num_kv_heads]
+    if backend == "mosaic" and _q_in_kernel(x.dtype, out_dtype):
+        return _mosaic_with_q_in_kernel(x, num_heads, x, (num_heads, num_kv_heads), v, norm_q, norm_k, eps, cos, sin,
+                                        kv_lengths, scale=scale, pv=pv, block_q=block_q, block_k=block_k,
+                                        interpret=interpret, num_stages=num_stages, out_dtype=out_dtype,
+                                        pv_accumulation=pv_accumulation)
+    qi, qs, ki, ks = int8_qk_prologue_stacked(x, num_heads, num_kv_heads, norm_q, norm_k, eps, cos, sin, kv_lengths,
+                                              scale=scale, block_q=block_q, block_k=block_k, interpret=interpret)
     return _fused_attention(qi, qs, ki, ks, v, kv_lengths, pv=pv, block_q=block_q, block_k=block_k,
                             interpret=interpret, num_warps=num_warps, num_stages=num_stages, backend=backend,
                             out_dtype=out_dtype, pv_accumulation=pv_accumulation)
+
+
+# The Mosaic backend of the fused attention makes INT8 Q in the kernel (`_int8_attention_mosaic`'s `q_prologue`)
+# rather than in the Q prologue's pass; False restores the pass (benchmarks compare the two).
+MOSAIC_Q_IN_KERNEL = True
+
+
+def _q_in_kernel(q_dtype, out_dtype) -> bool:
+    """Whether the Mosaic kernel makes INT8 Q itself: `MOSAIC_Q_IN_KERNEL`, and raw Q's tiles can share the output
+    tiles' shared memory (the same dtype: the models' case); otherwise the tables leave too little of it."""
+    return MOSAIC_Q_IN_KERNEL and jnp.dtype(q_dtype) == jnp.dtype(out_dtype)
+
+
+def _mosaic_with_q_in_kernel(q_src, num_heads, k_src, k_heads, v, norm_q, norm_k, eps, cos, sin, kv_lengths, *,
+                             scale, pv, block_q, block_k, interpret, num_stages, out_dtype, pv_accumulation):
+    """The fused attention on the Mosaic kernel with Q's prologue inside it: K's prologue pass (natural channel
+    order) and the kernel, which reads Q's first `num_heads` heads of `q_src` in place."""
+    if block_q != MOSAIC_ROWS:
+        raise ValueError(f"the mosaic backend quantizes Q per row in blocks of {MOSAIC_ROWS} (one warpgroup): "
+                         f"block_q must be {MOSAIC_ROWS}, got {block_q}")
+    _, _, ki, ks = _qk_prologue(q_src, (0, num_heads), k_src, k_heads, norm_q, norm_k, eps, cos, sin, kv_lengths,
+                                scale=scale, block_q=block_q, block_k=block_k, smooth_k=True, interpret=interpret,
+                                k_only=True)
+    return _int8_attention_mosaic(q_src, None, ki, ks, v, kv_lengths, pv=pv, block_k=block_k, num_stages=num_stages,
+                                  interpret=interpret, out_dtype=out_dtype, pv_accumulation=pv_accumulation,
+                                  q_prologue=MosaicQPrologue(norm_q, eps, cos, sin, scale, num_heads))
 
 
 def _fused_attention(qi, qs, ki, ks, v, kv_lengths, **options):

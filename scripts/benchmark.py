@@ -1099,6 +1099,19 @@ def gemm_benchmark(args) -> None:
 # Attention kernels (issue #8)
 
 
+def _with_module_setting(module, name: str, value, fn):
+    """fn with `module.name` set to `value` while it runs (is traced, under jit), then restored."""
+    def run(*args):
+        before = getattr(module, name)
+        setattr(module, name, value)
+        try:
+            return fn(*args)
+        finally:
+            setattr(module, name, before)
+
+    return run
+
+
 def jax_attention(args) -> list[dict]:
     """jax's cuDNN and XLA attention (bf16) and our INT8-QK kernel (Triton lowering), B=1, S=4608, 48 heads, D=128,
     GQA 48/12 and 48/48, with and without the key padding mask; cosine and relative L1 against float32 attention."""
@@ -1157,11 +1170,17 @@ def jax_attention(args) -> list[dict]:
                     lambda q, k, v, pv=pv: attention.int8_attention_fused(q, k, v, norm, norm, 1e-6, cos, sin,
                                                                           kv_lengths=lengths, pv=pv))
                 bk, stages = args.mosaic_attention_configs[0]
-                name = f"int8-QK {pv}-PV mosaic k{bk} s{stages} with fused RMSNorm+rotary+quantize prologue, {tag}"
-                variants[name] = (
-                    lambda q, k, v, pv=pv, bk=bk, stages=stages: attention.int8_attention_fused(
-                        q, k, v, norm, norm, 1e-6, cos, sin, kv_lengths=lengths, pv=pv, block_q=64, block_k=bk,
-                        num_stages=stages, backend="mosaic", out_dtype=jnp.bfloat16))
+                # as the models call it (FP8 P.V in place); Q made in the kernel (the default) or by its own pass
+                accumulation = "in_place" if pv == "fp8" else "two_level"
+                for q_in_kernel in (True, False):
+                    where = "Q in the kernel" if q_in_kernel else "Q by its pass"
+                    name = (f"int8-QK {pv}-PV mosaic k{bk} s{stages} with fused RMSNorm+rotary+quantize prologue "
+                            f"({where}), {tag}")
+                    variants[name] = _with_module_setting(
+                        attention, "MOSAIC_Q_IN_KERNEL", q_in_kernel,
+                        lambda q, k, v, pv=pv, bk=bk, stages=stages, acc=accumulation: attention.int8_attention_fused(
+                            q, k, v, norm, norm, 1e-6, cos, sin, kv_lengths=lengths, pv=pv, block_q=64, block_k=bk,
+                            num_stages=stages, backend="mosaic", out_dtype=jnp.bfloat16, pv_accumulation=acc))
             exact_normed = jax.jit(lambda q, k, v: jax.nn.dot_product_attention(
                 attention.rms_rope_reference(q, norm, 1e-6, cos, sin),
                 attention.rms_rope_reference(k, norm, 1e-6, cos, sin),

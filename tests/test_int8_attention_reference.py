@@ -178,6 +178,88 @@ def test_mosaic_kernel_lowers_for_the_gpu(d, pv, p_in_smem, block_k, num_stages,
     assert "mosaic_gpu" in lowered.as_text()
 
 
+@pytest.mark.parametrize("d, pv, out_dtype, accumulation, batched_tables", [
+    (128, "fp8", jnp.bfloat16, "in_place", False),  # the models' (Krea 2: bf16 Q and output)
+    (128, "bf16", jnp.bfloat16, "two_level", True),
+    (64, "fp8", jnp.float32, "two_level", False),  # raw Q's tiles in their own buffer
+])
+@pytest.mark.usefixtures("hopper")
+def test_mosaic_kernel_making_q_itself_lowers_for_the_gpu(d, pv, out_dtype, accumulation, batched_tables):
+    """`q_prologue`: the register paths the interpreter does not run (`_pairs_from_table`, `_rotate_pairs`), the
+    tables' copies and shared memory."""
+    from mxdit.pallas_kernels import attention as A
+
+    q, k, v, (nq, nk), cos, sin = _raw_projections(7, s=200, d=d, batched_tables=batched_tables)
+    lengths = jnp.asarray([200, 150])
+    _, _, ki, ks = A._qk_prologue(q, (0, 4), k, (0, 2), nq, nk, 1e-6, cos, sin, lengths, scale=d**-0.5, block_q=64,
+                                  block_k=128, smooth_k=True, interpret=True, k_only=True)
+    prologue = A.MosaicQPrologue(nq, 1e-6, cos, sin, d**-0.5, 4)
+    if out_dtype == jnp.float32:
+        q = q.astype(jnp.float32)  # (`_raw_projections` gives float32; the others run on bf16 Q)
+    else:
+        q = q.astype(jnp.bfloat16)
+    lowered = A._int8_attention_mosaic(q, None, ki, ks, v, lengths, pv=pv, block_k=128, num_stages=2,
+                                       p_in_smem=False, lower_only=True, out_dtype=out_dtype,
+                                       pv_accumulation=accumulation, q_prologue=prologue)
+    assert "mosaic_gpu" in lowered.as_text()
+
+
+def test_pair_table_order_is_what_a_wgmma_thread_holds():
+    """Read as a (rows, pairs) array in the WGMMA layout, a table in `_pair_table_order` gives the thread of lane c
+    (mod 4), at its register vector of column tile t, the values of pairs 8t + c and 8t + 4 + c: the pairs of the
+    full (rows, 2 * pairs) array's column tiles 2t and 2t + 1 that the same thread holds (columns 8u + 2c, +1)."""
+    from mxdit.pallas_kernels.attention import _pair_table_order
+
+    pairs = 64
+    natural = np.arange(pairs)
+    ordered = np.asarray(_pair_table_order(jnp.asarray(natural)))
+    for t in range(pairs // 8):
+        for c in range(4):
+            held = ordered[8 * t + 2 * c:8 * t + 2 * c + 2]  # the thread's vector of two columns in tile t
+            full_tiles = [2 * t, 2 * t + 1]
+            assert list(held) == [(8 * u + 2 * c) // 2 for u in full_tiles]
+    np.testing.assert_array_equal(np.asarray(_pair_table_order(jnp.asarray(ordered), inverse=True)), natural)
+
+
+@pytest.mark.parametrize("pv, batched_tables", [("bf16", False), ("fp8", True)])
+def test_mosaic_kernel_making_q_itself_matches_the_reference_with_q_per_row(pv, batched_tables):
+    """`int8_attention_fused(backend="mosaic")` with bf16 Q and output: the kernel norms, rotates and quantizes Q
+    per row itself, and K's pass writes the natural channel order. Against `int8_attention_reference` with Q
+    quantized per row (block_q=1) on the same bf16 inputs; per 64 rows (the pass's blocks) is measurably farther,
+    so the comparison tells them apart. Measured: bf16 0.0055 from the per-row reference (its float32 output rounded
+    to bf16 accounts for most), the per-64-row reference 0.0096 from it."""
+    from mxdit.pallas_kernels import attention as A
+
+    q, k, v, (nq, nk), cos, sin = _raw_projections(8, s=200, batched_tables=batched_tables)
+    q, k, v = (x.astype(jnp.bfloat16) for x in (q, k, v))
+    lengths = jnp.asarray([200, 61])
+    out = A.int8_attention_fused(q, k, v, nq, nk, 1e-6, cos, sin, kv_lengths=lengths, pv=pv, backend="mosaic",
+                                 block_k=64, interpret=True, out_dtype=jnp.bfloat16).astype(jnp.float32)
+    qn, kn = A.rms_rope_reference(q, nq, 1e-6, cos, sin), A.rms_rope_reference(k, nk, 1e-6, cos, sin)
+    per_row = A.int8_attention_reference(qn, kn, v, kv_lengths=lengths, pv=pv, block_q=1, block_k=64)
+    per_block = A.int8_attention_reference(qn, kn, v, kv_lengths=lengths, pv=pv, block_q=64, block_k=64)
+    truth = exact(qn, kn, v.astype(jnp.float32), lengths)
+    if pv == "bf16":
+        assert relative_l1(out, per_row) <= 7e-3 < relative_l1(per_block, per_row)
+    else:  # each P rounding its own (as for the Mosaic kernel above): at least as close to exact as the reference
+        assert relative_l1(out, truth) <= 1.02 * relative_l1(per_row, truth)
+    assert cosine(out, truth) >= 0.999 and relative_l1(out, truth) <= BOUNDS[pv]
+
+
+def test_k_prologue_in_natural_order_gives_the_codes_of_the_deinterleaved_one():
+    from mxdit.pallas_kernels import attention as A
+
+    q, k, v, (nq, nk), cos, sin = _raw_projections(3)
+    lengths = jnp.asarray([100, 61])
+    options = dict(scale=64**-0.5, block_q=64, block_k=64, smooth_k=True, interpret=True)
+    _, _, ki, ks = A._qk_prologue(q, (0, 4), k, (0, 2), nq, nk, 1e-6, cos, sin, lengths, **options)
+    qi, qs, ki_natural, ks_natural = A._qk_prologue(q, (0, 4), k, (0, 2), nq, nk, 1e-6, cos, sin, lengths,
+                                                    k_only=True, **options)
+    assert qi is None and qs is None
+    np.testing.assert_array_equal(np.asarray(A._deinterleave(ki_natural)), np.asarray(ki))
+    np.testing.assert_array_equal(np.asarray(ks_natural), np.asarray(ks))
+
+
 def test_fp8_p_registers_read_as_the_8bit_operand_hold_p_in_pv_key_order():
     """The register P path for FP8 P.V regroups the accumulator-layout registers (WGMMA: two bytes a vector) into
     the 8-bit operand layout (WGMMA_8BIT: four) without moving data, and permutes V's keys to match. Which element

@@ -54,6 +54,17 @@ def test_qk_prologue_lowers_with_heads_grouped(heads_per_program, split_pairs):
                   ((1,), jnp.int32))
 
 
+def test_k_prologue_in_natural_channel_order_lowers():
+    """The K pass alone, its pairs joined in registers (the Mosaic kernel makes Q itself)."""
+    def prologue(x, norms, cos, sin, lengths):
+        return attention._qk_prologue(x, (0, 48), x, (48, 12), norms[0], norms[1], 1e-6, cos, sin, lengths,
+                                      scale=128**-0.5, block_q=64, block_k=128, smooth_k=True, interpret=False,
+                                      k_only=True)[2:]
+
+    assert lowers(prologue, ((1, 256, 120, 128), BF16), ((2, 128), F32), ((256, 128), F32), ((256, 128), F32),
+                  ((1,), jnp.int32))
+
+
 @pytest.mark.parametrize("pv", ["bf16", "fp8"])
 def test_int8_attention_triton_kernel_lowers(pv):
     q, kv = ((1, 256, 4, 64), BF16), ((1, 256, 2, 64), BF16)
