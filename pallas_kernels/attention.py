@@ -520,7 +520,7 @@ def compute_registers(compute_wgs: int, memory_registers: int = 40) -> int:
 
 def _int8_attention_mosaic(qi, qs, ki, ks, v, kv_lengths, *, pv, block_k, num_stages, p_in_smem=None,
                            pv_accumulation="two_level", interpret=False, lower_only=False, out_dtype=jnp.float32,
-                           q_prologue: MosaicQPrologue | None = None):
+                           q_prologue: MosaicQPrologue | None = None, row_sums_by_wgmma: bool | None = None):
     """The Mosaic GPU kernel on quantized Q (per 64 rows) and K (per `block_k` keys), (batch, seq, heads, dim) int8
     with scales (batch, seq blocks, heads), and V (batch, kv_len, kv_heads, dim) in a float dtype (the keys past
     `kv_lengths` are zeroed here). Returns `out_dtype` (batch, q_len, heads, dim).
@@ -551,6 +551,11 @@ def _int8_attention_mosaic(qi, qs, ki, ks, v, kv_lengths, *, pv, block_k, num_st
     the natural channel order (`int8_k_prologue`), not `_deinterleave`'s. This replaces the Q prologue's pass (2.4
     ms a step of full-size Krea 2 at 1024^2, session 11's profile), its INT8 write and the kernel's read of it.
 
+    `row_sums_by_wgmma` (FP8 P.V in place only; None: `MOSAIC_ROW_SUMS_BY_WGMMA`): the softmax's row sums l by
+    the tensor cores, P times an (keys, 8) operand whose first column is ones, into a (rows, 8) accumulator
+    rescaled and accumulated in place as the output's, instead of 64 float32 adds a thread a block; l then sums
+    the E4M3-rounded P that the output's numerator sums.
+
     `lower_only`: return the lowered (cuda) computation instead of running it; CPU tests use it to check that the
     real Mosaic lowering accepts every variant.
     """
@@ -578,6 +583,12 @@ def _int8_attention_mosaic(qi, qs, ki, ks, v, kv_lengths, *, pv, block_k, num_st
                          "memory, cannot run wgmma into a carried accumulator)")
     # A fresh accumulator per key block: FP8 P.V's two-level accumulation, and P from shared memory (interpreter).
     fresh = p_in_smem or (pv == "fp8" and pv_accumulation == "two_level")
+    in_place_fp8 = pv == "fp8" and pv_accumulation == "in_place" and not p_in_smem
+    if row_sums_by_wgmma is None:
+        row_sums_by_wgmma = MOSAIC_ROW_SUMS_BY_WGMMA and in_place_fp8
+    if row_sums_by_wgmma and not in_place_fp8:
+        raise ValueError("row_sums_by_wgmma takes FP8 P.V accumulated in place, with P from registers")
+    sum_cols = 8  # wgmma's narrowest N
     pad_q, pad_k = (-sq) % (2 * rows), (-sk) % block_k
     n_q, n_k = (sq + pad_q) // (2 * rows), (sk + pad_k) // block_k
     stages = max(1, min(num_stages, n_k))
@@ -613,9 +624,9 @@ def _int8_attention_mosaic(qi, qs, ki, ks, v, kv_lengths, *, pv, block_k, num_st
     # are applied in the kernel's epilogue, so no pass after it (40 us a block in the step, session 10's profile).
     kernel_out = jnp.dtype(out_dtype)
 
-    def kernel(q_gmem, qs_gmem, k_gmem, ks_gmem, v_gmem, vs_gmem, len_gmem, tables, o_gmem, scoped):
+    def kernel(q_gmem, qs_gmem, k_gmem, ks_gmem, v_gmem, vs_gmem, len_gmem, tables, ones_gmem, o_gmem, scoped):
         (q_smem, k_smem, v_smem, p_smem, o_smem, q_raw_smem), (q_full, k_full, v_full), (k_free, v_free), schedule, \
-            table_smem, table_full = scoped
+            table_smem, table_full, ones_smem, ones_full = scoped
         if q_raw_smem is None:
             q_raw_smem = o_smem
         head, q_block, batch = lax.axis_index("heads"), lax.axis_index("q_seq"), lax.axis_index("batch")
@@ -649,7 +660,12 @@ def _int8_attention_mosaic(qi, qs, ki, ks, v, kv_lengths, *, pv, block_k, num_st
                 q_scale = _mosaic_q_prologue(q_raw_smem.at[wg], q_smem.at[wg], *(ref.at[wg] for ref in table_smem),
                                              q_prologue, interpret) * log2e
             m = plgpu.layout_cast(jnp.full((rows,), -jnp.inf, jnp.float32), wgmma_layout.reduce(1))
-            l = plgpu.layout_cast(jnp.zeros((rows,), jnp.float32), wgmma_layout.reduce(1))
+            if row_sums_by_wgmma:  # the ones operand, a copy a warpgroup; l is a (rows, 8) accumulator
+                plgpu.copy_gmem_to_smem(ones_gmem, ones_smem.at[wg], ones_full.at[wg])
+                plgpu.barrier_wait(ones_full.at[wg])
+                l = plgpu.layout_cast(jnp.zeros((rows, sum_cols), jnp.float32), wgmma_layout)
+            else:
+                l = plgpu.layout_cast(jnp.zeros((rows,), jnp.float32), wgmma_layout.reduce(1))
             acc = plgpu.layout_cast(jnp.zeros((rows, d), jnp.float32), wgmma_layout)
 
             @pl.when(steps > 0)
@@ -674,7 +690,10 @@ def _int8_attention_mosaic(qi, qs, ki, ks, v, kv_lengths, *, pv, block_k, num_st
                 # Rounding the per-row term moves a block's exponent by at most one integer logit unit (c).
                 shift = lax.broadcast_in_dim(m_new + (_MAGIC_FLOAT * c - log2_p_max), s.shape, [0])
                 p = jnp.exp2(s * (c if q_prologue is None else lax.broadcast_in_dim(c, s.shape, [0])) - shift)
-                l = l * alpha + p.sum(axis=1)
+                if row_sums_by_wgmma:  # rescaled beside the output's accumulator, summed by the P.V wgmma
+                    l = l * lax.broadcast_in_dim(alpha, l.shape, [0])
+                else:
+                    l = l * alpha + p.sum(axis=1)
                 return p.astype(p_dtype), m_new, l, alpha
 
             def step(j, carry, masked):
@@ -718,6 +737,14 @@ def _int8_attention_mosaic(qi, qs, ki, ks, v, kv_lengths, *, pv, block_k, num_st
 
                     block = pl.run_scoped(pv_fresh, plgpu.ACC((rows, d), jnp.float32))
                     acc = block + acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+                elif row_sums_by_wgmma:
+                    def pv_and_sums_in_place(refs):
+                        acc_ref, l_ref = refs
+                        plgpu.wgmma(acc_ref, p_op, v_op)
+                        plgpu.wgmma(l_ref, p_op, ones_smem.at[wg].transpose((1, 0)))
+                        wait_next_k()
+
+                    acc, l = pl.run_state(pv_and_sums_in_place)((plgpu.ACC.init(acc), plgpu.ACC.init(l)))
                 else:
                     def pv_in_place(acc_ref):
                         plgpu.wgmma(acc_ref, p_op, v_op)
@@ -736,6 +763,8 @@ def _int8_attention_mosaic(qi, qs, ki, ks, v, kv_lengths, *, pv, block_k, num_st
                 carry = lax.fori_loop(0, steps, functools.partial(step, masked=False), carry)
             acc, m, l = carry
             pl.when(wg == 0)(schedule_barrier)
+            if row_sums_by_wgmma:
+                l = l.sum(axis=1)  # the ones column's; the other seven are zero
             out = acc * lax.broadcast_in_dim(1.0 / l, acc.shape, [0])
             if pv == "fp8":  # V's channel scales (P's 448 cancelled in acc / l), once a tile: a plain load is enough
                 v_scale = plgpu.load(vs_gmem.at[batch, kv_head], layout=wgmma_layout.reduce(0), optimized=False)
@@ -780,7 +809,7 @@ def _int8_attention_mosaic(qi, qs, ki, ks, v, kv_lengths, *, pv, block_k, num_st
                     plgpu.barrier_wait(v_free.at[i])
 
     def entry(q_gmem, qs_gmem, k_gmem, ks_gmem, v_gmem, vs_gmem, len_gmem, *rest):
-        *tables, o_gmem = rest
+        *tables, ones_gmem, o_gmem = rest
         int8_transforms = _mosaic_transforms(1, d)
         smem = [
             plgpu.SMEM((2, rows, d), jnp.int8, transforms=int8_transforms),
@@ -803,13 +832,16 @@ def _int8_attention_mosaic(qi, qs, ki, ks, v, kv_lengths, *, pv, block_k, num_st
                               plgpu.SMEM((2, d), jnp.float32)),
                              (plgpu.Barrier(num_barriers=2),) * 3)
         pl.run_scoped(
-            lambda *scoped: kernel(q_gmem, qs_gmem, k_gmem, ks_gmem, v_gmem, vs_gmem, len_gmem, tables, o_gmem,
-                                   scoped),
+            lambda *scoped: kernel(q_gmem, qs_gmem, k_gmem, ks_gmem, v_gmem, vs_gmem, len_gmem, tables, ones_gmem,
+                                   o_gmem, scoped),
             smem,
             (plgpu.Barrier(num_barriers=2), plgpu.Barrier(num_barriers=stages), plgpu.Barrier(num_barriers=stages)),
             (plgpu.Barrier(num_arrivals=2, num_barriers=stages),) * 2,
             plgpu.Barrier(num_arrivals=2),
             *tables_scoped,
+            plgpu.SMEM((2, sum_cols, block_k), jnp.float8_e4m3fn, transforms=_mosaic_transforms(1, block_k))
+            if row_sums_by_wgmma else None,
+            plgpu.Barrier(num_barriers=2) if row_sums_by_wgmma else None,
             collective_axes="wg",
         )
 
@@ -825,8 +857,11 @@ def _int8_attention_mosaic(qi, qs, ki, ks, v, kv_lengths, *, pv, block_k, num_st
         interpret=plgpu.InterpretGPUParams() if interpret else None,
     )
 
+    # the row sums' B operand (K-major like V^T): a row of ones, seven of zeros
+    ones = jnp.zeros((sum_cols, block_k), jnp.float8_e4m3fn).at[0].set(1.0)
+
     def run(qi, qs, ki, ks, v, lengths, q_tables):
-        return call(qi, qs, ki, ks, *v_operand(v), lengths, *q_tables)[:, :sq]
+        return call(qi, qs, ki, ks, *v_operand(v), lengths, *q_tables, ones)[:, :sq]
 
     if lower_only:
         return jax.jit(run).trace(qi, qs, ki, ks, v, lengths, q_tables).lower(lowering_platforms=("cuda",))
@@ -1101,6 +1136,10 @@ def int8_attention_fused_stacked(qkv, num_heads: int, num_kv_heads: int, norm_q,
                             interpret=interpret, num_warps=num_warps, num_stages=num_stages, backend=backend,
                             out_dtype=out_dtype, pv_accumulation=pv_accumulation)
 
+
+# The Mosaic kernel's softmax row sums by the tensor cores (FP8 P.V in place: `_int8_attention_mosaic`'s
+# `row_sums_by_wgmma`), not by float32 adds.
+MOSAIC_ROW_SUMS_BY_WGMMA = False
 
 # The Mosaic backend of the fused attention makes INT8 Q in the kernel (`_int8_attention_mosaic`'s `q_prologue`)
 # rather than in the Q prologue's pass; False restores the pass (benchmarks compare the two).

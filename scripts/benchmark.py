@@ -1172,15 +1172,18 @@ def jax_attention(args) -> list[dict]:
                 bk, stages = args.mosaic_attention_configs[0]
                 # as the models call it (FP8 P.V in place); Q made in the kernel (the default) or by its own pass
                 accumulation = "in_place" if pv == "fp8" else "two_level"
-                for q_in_kernel in (True, False):
+                # and, for FP8 P.V, the softmax's row sums by wgmma (MOSAIC_ROW_SUMS_BY_WGMMA)
+                for q_in_kernel, row_sums in ((True, False), (False, False)) + (((True, True),) if pv == "fp8" else ()):
                     where = "Q in the kernel" if q_in_kernel else "Q by its pass"
+                    where += ", row sums by wgmma" if row_sums else ""
                     name = (f"int8-QK {pv}-PV mosaic k{bk} s{stages} with fused RMSNorm+rotary+quantize prologue "
                             f"({where}), {tag}")
-                    variants[name] = _with_module_setting(
+                    variants[name] = _with_module_setting(attention, "MOSAIC_ROW_SUMS_BY_WGMMA", row_sums,
+                                                          _with_module_setting(
                         attention, "MOSAIC_Q_IN_KERNEL", q_in_kernel,
                         lambda q, k, v, pv=pv, bk=bk, stages=stages, acc=accumulation: attention.int8_attention_fused(
                             q, k, v, norm, norm, 1e-6, cos, sin, kv_lengths=lengths, pv=pv, block_q=64, block_k=bk,
-                            num_stages=stages, backend="mosaic", out_dtype=jnp.bfloat16, pv_accumulation=acc))
+                            num_stages=stages, backend="mosaic", out_dtype=jnp.bfloat16, pv_accumulation=acc)))
             exact_normed = jax.jit(lambda q, k, v: jax.nn.dot_product_attention(
                 attention.rms_rope_reference(q, norm, 1e-6, cos, sin),
                 attention.rms_rope_reference(k, norm, 1e-6, cos, sin),
