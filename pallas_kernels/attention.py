@@ -480,8 +480,8 @@ def _rotate_pairs(x: jax.Array, interpret: bool) -> jax.Array:
 def _mosaic_q_prologue(raw_ref, q_ref, cos_ref, sin_ref, w_ref, prologue: MosaicQPrologue,
                        interpret: bool) -> jax.Array:
     """One compute warpgroup's Q tile in the Mosaic kernel: the raw rows (`raw_ref`), normed (weight `w_ref`),
-    rotated (tables `cos_ref`, `sin_ref` in `_pair_table_order`), times the softmax scale and quantized to INT8
-    per row into `q_ref` (for wgmma); all in shared memory, arrived by TMA. Returns the rows' scales (rows,) in the
+    rotated (tables `cos_ref`, `sin_ref` in `_pair_table_order`) and quantized to INT8 per row into `q_ref` (for
+    wgmma); all in shared memory, arrived by TMA. Returns the rows' scales (rows,), the softmax scale in them, in the
     layout of the logits' row reductions. The arithmetic is `rms_rope_reference`'s, then `_quantize_int8_blocks`'
     with one row a block (up to rounding). Measured (session 12, Krea 2's attention at 4224 tokens): with the
     tables read from global memory by each thread this cost ~60 us a call more, as much as the Q prologue's pass."""
@@ -547,8 +547,8 @@ def _int8_attention_mosaic(qi, qs, ki, ks, v, kv_lengths, *, pv, block_k, num_st
     `q_prologue` (`MosaicQPrologue`): `qi` is the raw Q projection instead (batch, seq, heads >= its num_heads,
     dim; the first num_heads heads are Q, read in place) and `qs` is not used: each compute warpgroup loads its 64
     rows, applies the RMSNorm, the rotary embedding and the softmax scale, and quantizes them to INT8 per row into
-    shared memory before its key loop (`int8_attention_mosaic_q_reference` states the numerics). K must then be in
-    the natural channel order (`int8_k_prologue`), not `_deinterleave`'s. This replaces the Q prologue's pass (2.4
+    shared memory before its key loop (`_mosaic_q_prologue` states the numerics). K must then be in the natural
+    channel order (`_qk_prologue(k_only=True)`), not `_deinterleave`'s. This replaces the Q prologue's pass (2.4
     ms a step of full-size Krea 2 at 1024^2, session 11's profile), its INT8 write and the kernel's read of it.
 
     `row_sums_by_wgmma` (FP8 P.V in place only; None: `MOSAIC_ROW_SUMS_BY_WGMMA`): the softmax's row sums l by
