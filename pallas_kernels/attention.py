@@ -573,6 +573,9 @@ def _int8_attention_mosaic(qi, qs, ki, ks, v, kv_lengths, *, pv, block_k, num_st
         raise ValueError(f"mosaic attention: head_dim {d} and block_k {block_k} must be multiples of 64, at most 256")
     if q_prologue is None and qs.shape[1] != pl.cdiv(sq, rows):
         raise ValueError(f"mosaic attention: Q must be quantized per {rows} rows")
+    if q_prologue is not None and jnp.dtype(qi.dtype) != jnp.dtype(out_dtype):
+        raise ValueError(f"mosaic attention making Q itself: raw Q ({jnp.dtype(qi.dtype).name}) must have the "
+                         f"output's dtype ({jnp.dtype(out_dtype).name}): its tiles use the output tiles' memory")
     if p_in_smem is None:
         p_in_smem = interpret
     if interpret and not p_in_smem:
@@ -625,10 +628,11 @@ def _int8_attention_mosaic(qi, qs, ki, ks, v, kv_lengths, *, pv, block_k, num_st
     kernel_out = jnp.dtype(out_dtype)
 
     def kernel(q_gmem, qs_gmem, k_gmem, ks_gmem, v_gmem, vs_gmem, len_gmem, tables, ones_gmem, o_gmem, scoped):
-        (q_smem, k_smem, v_smem, p_smem, o_smem, q_raw_smem), (q_full, k_full, v_full), (k_free, v_free), schedule, \
+        (q_smem, k_smem, v_smem, p_smem, o_smem), (q_full, k_full, v_full), (k_free, v_free), schedule, \
             table_smem, table_full, ones_smem, ones_full = scoped
-        if q_raw_smem is None:
-            q_raw_smem = o_smem
+        # raw Q's tiles arrive in the output tiles' buffer (Q is read before the key loop, the output written after
+        # it): a buffer of their own would leave bf16 P.V with the tables too little shared memory
+        q_raw_smem = o_smem
         head, q_block, batch = lax.axis_index("heads"), lax.axis_index("q_seq"), lax.axis_index("batch")
         wg = lax.axis_index("wg")
         kv_head = head // group
@@ -818,10 +822,6 @@ def _int8_attention_mosaic(qi, qs, ki, ks, v, kv_lengths, *, pv, block_k, num_st
             plgpu.SMEM((2, rows, block_k), p_dtype, transforms=_mosaic_transforms(jnp.dtype(p_dtype).itemsize,
                                                                                    block_k)) if p_in_smem else None,
             plgpu.SMEM((2, rows, d), kernel_out, transforms=_mosaic_transforms(jnp.dtype(kernel_out).itemsize, d)),
-            # raw Q's tiles: the output tiles' buffer when their dtypes agree (Q is read before the key loop, the
-            # output written after it), which keeps bf16 P.V with the tables within shared memory
-            None if q_prologue is None or qi.dtype == kernel_out else plgpu.SMEM(
-                (2, rows, d), qi.dtype, transforms=_mosaic_transforms(qi.dtype.itemsize, d)),
         ]
         if q_prologue is None:
             tables_scoped = (None, None)
@@ -1147,8 +1147,8 @@ MOSAIC_Q_IN_KERNEL = True
 
 
 def _q_in_kernel(q_dtype, out_dtype) -> bool:
-    """Whether the Mosaic kernel makes INT8 Q itself: `MOSAIC_Q_IN_KERNEL`, and raw Q's tiles can share the output
-    tiles' shared memory (the same dtype: the models' case); otherwise the tables leave too little of it."""
+    """Whether the Mosaic kernel makes INT8 Q itself: `MOSAIC_Q_IN_KERNEL`, and raw Q's tiles can use the output
+    tiles' shared memory (the same dtype: the models' case)."""
     return MOSAIC_Q_IN_KERNEL and jnp.dtype(q_dtype) == jnp.dtype(out_dtype)
 
 

@@ -180,8 +180,8 @@ def test_mosaic_kernel_lowers_for_the_gpu(d, pv, p_in_smem, block_k, num_stages,
 
 @pytest.mark.parametrize("d, pv, out_dtype, accumulation, batched_tables", [
     (128, "fp8", jnp.bfloat16, "in_place", False),  # the models' (Krea 2: bf16 Q and output)
-    (128, "bf16", jnp.bfloat16, "two_level", True),
-    (64, "fp8", jnp.float32, "two_level", False),  # raw Q's tiles in their own buffer
+    (128, "bf16", jnp.bfloat16, "two_level", True),  # bf16 V's tiles: the most shared memory
+    (64, "fp8", jnp.float32, "two_level", False),
 ])
 @pytest.mark.usefixtures("hopper")
 def test_mosaic_kernel_making_q_itself_lowers_for_the_gpu(d, pv, out_dtype, accumulation, batched_tables):
@@ -198,13 +198,16 @@ def test_mosaic_kernel_making_q_itself_lowers_for_the_gpu(d, pv, out_dtype, accu
         q = q.astype(jnp.float32)  # (`_raw_projections` gives float32; the others run on bf16 Q)
     else:
         q = q.astype(jnp.bfloat16)
-    lowered = A._int8_attention_mosaic(q, None, ki, ks, v, lengths, pv=pv, block_k=128, num_stages=2,
-                                       p_in_smem=False, lower_only=True, out_dtype=out_dtype,
-                                       pv_accumulation=accumulation, q_prologue=prologue)
+    options = dict(pv=pv, block_k=128, num_stages=2, p_in_smem=False, lower_only=True, out_dtype=out_dtype,
+                   pv_accumulation=accumulation, q_prologue=prologue)
+    lowered = A._int8_attention_mosaic(q, None, ki, ks, v, lengths, **options)
     assert "mosaic_gpu" in lowered.as_text()
+    other = jnp.bfloat16 if out_dtype == jnp.float32 else jnp.float32
+    with pytest.raises(ValueError, match="must have the output's dtype"):
+        A._int8_attention_mosaic(q.astype(other), None, ki, ks, v, lengths, **options)
 
 
-@pytest.mark.parametrize("q_in_kernel", [False, True])
+@pytest.mark.parametrize("q_in_kernel", [True])
 @pytest.mark.usefixtures("hopper")
 def test_mosaic_kernel_with_row_sums_by_wgmma_lowers_for_the_gpu(q_in_kernel):
     """`row_sums_by_wgmma`: the softmax's row sums as a second in-place wgmma (P times a ones column, N = 8). Not
