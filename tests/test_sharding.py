@@ -83,7 +83,10 @@ def test_multi_device_checks_on_8_simulated_devices():
                     "tests/sharding_multidevice.py directly in this run instead")
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8")
     result = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(TESTS / "sharding_multidevice.py")],
+        # one process (-n 0 over pyproject's -n auto): xdist workers in the child would each build the module's
+        # fixtures again (164 vs 147 CPU seconds) on cores the parent's workers are using
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "0",
+         str(TESTS / "sharding_multidevice.py")],
         cwd=TESTS.parent, env=env, capture_output=True, text=True, timeout=600,
     )
     assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
