@@ -421,8 +421,8 @@ def _pair_table_order(half: jax.Array, inverse: bool = False) -> jax.Array:
     2t + 1 of the full (rows, 2 * pairs) array: position 8t + 2c + e <- pair 4 (2t + e) + c (lane c of 4). Half the
     bytes of a full table, and no data moved between threads to widen it (`_pairs_from_table`). `inverse`: back."""
     *lead, n = half.shape
-    shape, order = ((n // 8, 4, 2), (0, 2, 1)) if inverse else ((n // 8, 2, 4), (0, 2, 1))
-    return half.reshape(*lead, *shape).transpose(*range(len(lead)), *(len(lead) + i for i in order)).reshape(half.shape)
+    groups = half.reshape(*lead, n // 8, *((4, 2) if inverse else (2, 4)))
+    return jnp.swapaxes(groups, -1, -2).reshape(half.shape)
 
 
 def _pairs_from_table(table: jax.Array, interpret: bool) -> jax.Array:
@@ -813,7 +813,9 @@ def _int8_attention_mosaic(qi, qs, ki, ks, v, kv_lengths, *, pv, block_k, num_st
                     plgpu.barrier_wait(v_free.at[i])
 
     def entry(q_gmem, qs_gmem, k_gmem, ks_gmem, v_gmem, vs_gmem, len_gmem, *rest):
-        *tables, ones_gmem, o_gmem = rest
+        # the Q prologue's tables, then the row sums' ones operand, each only where used
+        *inputs, o_gmem = rest
+        tables, ones_gmem = inputs[:len(q_tables)], (inputs[len(q_tables)] if row_sums_by_wgmma else None)
         int8_transforms = _mosaic_transforms(1, d)
         smem = [
             plgpu.SMEM((2, rows, d), jnp.int8, transforms=int8_transforms),
@@ -858,10 +860,10 @@ def _int8_attention_mosaic(qi, qs, ki, ks, v, kv_lengths, *, pv, block_k, num_st
     )
 
     # the row sums' B operand (K-major like V^T): a row of ones, seven of zeros
-    ones = jnp.zeros((sum_cols, block_k), jnp.float8_e4m3fn).at[0].set(1.0)
+    ones = (jnp.zeros((sum_cols, block_k), jnp.float8_e4m3fn).at[0].set(1.0),) if row_sums_by_wgmma else ()
 
     def run(qi, qs, ki, ks, v, lengths, q_tables):
-        return call(qi, qs, ki, ks, *v_operand(v), lengths, *q_tables, ones)[:, :sq]
+        return call(qi, qs, ki, ks, *v_operand(v), lengths, *q_tables, *ones)[:, :sq]
 
     if lower_only:
         return jax.jit(run).trace(qi, qs, ki, ks, v, lengths, q_tables).lower(lowering_platforms=("cuda",))
