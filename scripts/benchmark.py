@@ -1130,7 +1130,10 @@ def jax_attention(args) -> list[dict]:
         q = jax.random.normal(kq, (1, s, h, d), jnp.float32).astype(jnp.bfloat16)
         # K with a channel of large mean, as real DiTs have (what K smoothing is for)
         k = (jax.random.normal(kk, (1, s, kv_heads, d), jnp.float32) + 4.0 * (jnp.arange(d) == 7)).astype(jnp.bfloat16)
-        v = jax.random.normal(kv, (1, s, kv_heads, d), jnp.float32).astype(jnp.bfloat16)
+        v = jax.random.normal(kv, (1, s, kv_heads, d), jnp.float32)
+        # V with channel means (--v-channel-means: their size against V's spread): what V smoothing is for
+        v = (v + args.v_channel_means * jnp.sin(0.37 * jnp.arange(kv_heads * d)).reshape(kv_heads, d)).astype(
+            jnp.bfloat16)
         for masked in (False, True):
             lengths = jnp.array([s - 512 + 120], jnp.int32) if masked else None  # 392 padded text tokens last
             exact = jax.jit(lambda q, k, v: jax.nn.dot_product_attention(
@@ -1172,18 +1175,23 @@ def jax_attention(args) -> list[dict]:
                 bk, stages = args.mosaic_attention_configs[0]
                 # as the models call it (FP8 P.V in place); Q made in the kernel (the default) or by its own pass
                 accumulation = "in_place" if pv == "fp8" else "two_level"
-                # and, for FP8 P.V, the softmax's row sums by wgmma (MOSAIC_ROW_SUMS_BY_WGMMA)
-                for q_in_kernel, row_sums in ((True, False), (False, False)) + (((True, True),) if pv == "fp8" else ()):
+                # and, for FP8 P.V, the softmax's row sums by float32 adds instead of wgmma (MOSAIC_ROW_SUMS), V not
+                # smoothed (MOSAIC_SMOOTH_V)
+                options = [(True, "wgmma", True), (False, "wgmma", True)]
+                options += [(True, "adds", True), (True, "wgmma", False)] if pv == "fp8" else []
+                for q_in_kernel, row_sums, smooth_v in options:
                     where = "Q in the kernel" if q_in_kernel else "Q by its pass"
-                    where += ", row sums by wgmma" if row_sums else ""
+                    where += ", row sums by adds" if row_sums == "adds" and pv == "fp8" else ""
+                    where += ", V not smoothed" if not smooth_v else ""
                     name = (f"int8-QK {pv}-PV mosaic k{bk} s{stages} with fused RMSNorm+rotary+quantize prologue "
                             f"({where}), {tag}")
-                    variants[name] = _with_module_setting(attention, "MOSAIC_ROW_SUMS_BY_WGMMA", row_sums,
+                    variants[name] = _with_module_setting(attention, "MOSAIC_ROW_SUMS", row_sums,
+                                                          _with_module_setting(attention, "MOSAIC_SMOOTH_V", smooth_v,
                                                           _with_module_setting(
                         attention, "MOSAIC_Q_IN_KERNEL", q_in_kernel,
                         lambda q, k, v, pv=pv, bk=bk, stages=stages, acc=accumulation: attention.int8_attention_fused(
                             q, k, v, norm, norm, 1e-6, cos, sin, kv_lengths=lengths, pv=pv, block_q=64, block_k=bk,
-                            num_stages=stages, backend="mosaic", out_dtype=jnp.bfloat16, pv_accumulation=acc)))
+                            num_stages=stages, backend="mosaic", out_dtype=jnp.bfloat16, pv_accumulation=acc))))
             exact_normed = jax.jit(lambda q, k, v: jax.nn.dot_product_attention(
                 attention.rms_rope_reference(q, norm, 1e-6, cos, sin),
                 attention.rms_rope_reference(k, norm, 1e-6, cos, sin),
@@ -1246,7 +1254,8 @@ def attention_benchmark(args) -> None:
     """torch (a subprocess) and jax in one run: the issue's comparison."""
     forwarded = ["--seq", str(args.seq), "--kv-heads", *map(str, args.kv_heads), "--iters", str(args.iters)]
     rows = _subprocess_rows(args, "attention-torch", forwarded + ["--repeats", "3"])
-    jax_args = forwarded + ["--variant-timeout", str(args.variant_timeout)]
+    jax_args = forwarded + ["--variant-timeout", str(args.variant_timeout), "--v-channel-means",
+                            str(args.v_channel_means)]
     jax_args += ["--only", *args.only] if args.only else []
     jax_args += ["--int8-configs", *(",".join(map(str, c)) for c in args.int8_configs)]
     jax_args += ["--mosaic-attention-configs", *(",".join(map(str, c)) for c in args.mosaic_attention_configs)]
@@ -1569,6 +1578,8 @@ def main(argv=None) -> None:
         p.add_argument("--repeats", type=int, default=3, help="torch: repeats of --iters calls")
         p.add_argument("--only", nargs="+", default=None, metavar="TEXT",
                        help="jax: only the variants whose names contain one")
+        p.add_argument("--v-channel-means", type=float, default=0.0,
+                       help="jax: add channel means of about this size (times V's spread) to V")
         p.add_argument("--variant-timeout", type=float, default=180.0,
                        help="jax: seconds a variant may take (compile + timing) before the process is ended as hung")
         p.add_argument("--int8-configs", nargs="+", type=lambda c: tuple(map(int, c.split(","))),

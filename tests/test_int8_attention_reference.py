@@ -126,7 +126,8 @@ def test_mosaic_kernel_matches_the_reference_in_interpret_mode(d, h, hk, sq, sk,
     q, k, v = inputs(6, sq=sq, sk=sk, h=h, hk=hk, d=d, k_outlier=20.0)
     kv = None if lengths is None else jnp.asarray(lengths)
     out = int8_attention(q, k, v, kv_lengths=kv, pv=pv, block_k=block_k, backend="mosaic", interpret=True)
-    ref = int8_attention_reference(q, k, v, kv_lengths=kv, pv=pv, block_q=64, block_k=block_k)
+    # the Mosaic kernel's FP8 P.V smooths V (`MOSAIC_SMOOTH_V`)
+    ref = int8_attention_reference(q, k, v, kv_lengths=kv, pv=pv, block_q=64, block_k=block_k, smooth_v=pv == "fp8")
     assert out.shape == q.shape
     truth = exact(q, k, v, kv)
     # As for the Triton kernel. Measured: bf16 0.0021 from the reference (max abs 0.0015); FP8 0.033 from it, 0.035
@@ -204,10 +205,33 @@ def test_mosaic_kernel_making_q_itself_lowers_for_the_gpu(d, pv, out_dtype, accu
         A._int8_attention_mosaic(q.astype(other), None, ki, ks, v, lengths, **options)
 
 
+def test_smoothed_v_matches_the_mosaic_kernel_and_keeps_channel_means(monkeypatch):
+    """`smooth_v`: V's channel means leave before FP8 P.V and come back after. The Mosaic kernel (interpreter) gives
+    the reference's numbers, and on V with large channel means the error stays what zero-mean V gives (its FP8
+    rounding is relative to V centred). On the GPU it also removes the in-place accumulator's bias (NOTES.md,
+    session 13), which neither the interpreter nor the reference models."""
+    from mxdit.pallas_kernels import attention as A
+
+    q, k, v = inputs(8, sq=130, sk=200, h=4, hk=2, d=128, k_outlier=20.0)
+    v = v + jnp.linspace(-6.0, 6.0, 128)  # channel means several times their spread
+    kv = jnp.asarray([200, 77])
+    truth = exact(q, k, v, kv)
+    ref = int8_attention_reference(q, k, v, kv_lengths=kv, pv="fp8", block_q=64, block_k=128, smooth_v=True)
+    plain = int8_attention_reference(q, k, v, kv_lengths=kv, pv="fp8", block_q=64, block_k=128)
+    monkeypatch.setattr(A, "MOSAIC_SMOOTH_V", True)
+    out = A.int8_attention(q, k, v, kv_lengths=kv, pv="fp8", block_k=128, backend="mosaic", interpret=True)
+    assert relative_l1(out, ref) <= 2e-3
+    # the centred V's FP8 rounding: the error of the output's varying part against exact attention's
+    centred = truth - jnp.mean(truth, axis=1, keepdims=True)
+    assert relative_l1(ref - jnp.mean(ref, axis=1, keepdims=True), centred) <= BOUNDS["fp8"]
+    assert relative_l1(ref, truth) < 0.5 * relative_l1(plain, truth)
+
+
 @pytest.mark.usefixtures("hopper")
 def test_mosaic_kernel_with_row_sums_by_wgmma_lowers_for_the_gpu():
-    """`row_sums_by_wgmma`: the softmax's row sums as a second in-place wgmma (P times a ones column, N = 8). Not
-    yet run on the GPU (NOTES.md, session 12): only its lowering is checked, and that it takes FP8 P.V in place
+    """`row_sums="wgmma"` (the default with FP8 P.V in place): the softmax's row sums by a second wgmma (P times a
+    ones column, N = 8) into a fresh accumulator a key block. The interpreter cannot run it (P from registers): its
+    lowering is checked here, the numerics on the GPU (NOTES.md, session 13), and that it takes FP8 P.V in place
     only."""
     from mxdit.pallas_kernels import attention as A
 
@@ -217,11 +241,21 @@ def test_mosaic_kernel_with_row_sums_by_wgmma_lowers_for_the_gpu():
     _, _, ki, ks = A._qk_prologue(q, (0, 4), k, (0, 2), nq, nk, 1e-6, cos, sin, lengths, scale=128**-0.5,
                                   block_q=64, block_k=128, smooth_k=True, interpret=True, k_only=True)
     options = dict(pv="fp8", block_k=128, num_stages=2, p_in_smem=False, lower_only=True, out_dtype=jnp.bfloat16,
-                   q_prologue=A.MosaicQPrologue(nq, 1e-6, cos, sin, 128**-0.5, 4), row_sums_by_wgmma=True)
+                   q_prologue=A.MosaicQPrologue(nq, 1e-6, cos, sin, 128**-0.5, 4), row_sums="wgmma")
     lowered = A._int8_attention_mosaic(q, None, ki, ks, v, lengths, pv_accumulation="in_place", **options)
     assert "mosaic_gpu" in lowered.as_text()
-    with pytest.raises(ValueError, match="row_sums_by_wgmma takes FP8 P.V accumulated in place"):
+    with pytest.raises(ValueError, match="takes FP8 P.V accumulated in place"):
         A._int8_attention_mosaic(q, None, ki, ks, v, lengths, pv_accumulation="two_level", **options)
+    with pytest.raises(ValueError, match="row_sums='wgmma_in_place'"):  # dropped: biased (see `row_sums`)
+        A._int8_attention_mosaic(q, None, ki, ks, v, lengths, pv_accumulation="in_place",
+                                 **{**options, "row_sums": "wgmma_in_place"})
+    # with V's channel means taken out and put back (`smooth_v`), FP8 P.V only
+    lowered = A._int8_attention_mosaic(q, None, ki, ks, v, lengths, pv_accumulation="in_place",
+                                       **{**options, "smooth_v": True})
+    assert "mosaic_gpu" in lowered.as_text()
+    with pytest.raises(ValueError, match="smooth_v takes FP8 P.V"):
+        A._int8_attention_mosaic(q, None, ki, ks, v, lengths, **{**options, "pv": "bf16", "row_sums": "adds",
+                                                                 "smooth_v": True})
 
 
 def test_pair_table_order_is_what_a_wgmma_thread_holds():
@@ -256,8 +290,9 @@ def test_mosaic_kernel_making_q_itself_matches_the_reference_with_q_per_row(pv, 
     out = A.int8_attention_fused(q, k, v, nq, nk, 1e-6, cos, sin, kv_lengths=lengths, pv=pv, backend="mosaic",
                                  block_k=64, interpret=True, out_dtype=jnp.bfloat16).astype(jnp.float32)
     qn, kn = A.rms_rope_reference(q, nq, 1e-6, cos, sin), A.rms_rope_reference(k, nk, 1e-6, cos, sin)
-    per_row = A.int8_attention_reference(qn, kn, v, kv_lengths=lengths, pv=pv, block_q=1, block_k=64)
-    per_block = A.int8_attention_reference(qn, kn, v, kv_lengths=lengths, pv=pv, block_q=64, block_k=64)
+    smooth = dict(smooth_v=pv == "fp8")  # as the Mosaic kernel's FP8 P.V (`MOSAIC_SMOOTH_V`)
+    per_row = A.int8_attention_reference(qn, kn, v, kv_lengths=lengths, pv=pv, block_q=1, block_k=64, **smooth)
+    per_block = A.int8_attention_reference(qn, kn, v, kv_lengths=lengths, pv=pv, block_q=64, block_k=64, **smooth)
     truth = exact(qn, kn, v.astype(jnp.float32), lengths)
     if pv == "bf16":
         assert relative_l1(out, per_row) <= 7e-3 < relative_l1(per_block, per_row)
@@ -320,21 +355,26 @@ def test_fp8_p_registers_read_as_the_8bit_operand_hold_p_in_pv_key_order():
     assert sorted(order) == list(range(128))
 
 
-@pytest.mark.parametrize("permute_keys", [False, True])
-def test_v_fp8_operand_kernel_gives_v_transposed_and_in_pv_key_order(permute_keys):
-    """The Triton pass that makes FP8 P.V's V operand: V / scale in E4M3, transposed to (dim, keys), the keys in
-    `_pv_key_order` for P from registers; the same bytes as XLA's quantization, transpose and gather."""
+@pytest.mark.parametrize("permute_keys, smooth", [(False, False), (True, False), (True, True)])
+def test_v_fp8_operand_kernel_gives_v_transposed_and_in_pv_key_order(permute_keys, smooth):
+    """The Triton pass that makes FP8 P.V's V operand: V / scale in E4M3 (V less its channel means with `smooth`),
+    transposed to (dim, keys), the keys in `_pv_key_order` for P from registers; the same bytes as XLA's
+    quantization, transpose and gather."""
     from mxdit.pallas_kernels.attention import _pv_key_order, _quantize_v_fp8, v_fp8_operand
 
-    v32 = jax.random.normal(jax.random.key(3), (2, 64, 3, 32)) * jnp.arange(1, 33)
-    v8, scale = _quantize_v_fp8(v32)
+    v32 = jax.random.normal(jax.random.key(3), (2, 64, 3, 32)) * jnp.arange(1, 33) + jnp.arange(-16, 16)
+    v8, scale, mean = _quantize_v_fp8(v32, smooth=smooth)
     want = np.asarray(v8.transpose(0, 2, 3, 1).astype(jnp.float32))
     if permute_keys:
         want = want[..., _pv_key_order(64)]
-    got, got_scale = v_fp8_operand(v32, 32, permute_keys=permute_keys, interpret=True)
+    got, got_scale, got_mean = v_fp8_operand(v32, 32, permute_keys=permute_keys, interpret=True, smooth=smooth)
     assert got.dtype == jnp.float8_e4m3fn
     np.testing.assert_array_equal(np.asarray(got.astype(jnp.float32)), want)
     np.testing.assert_array_equal(np.asarray(got_scale), np.asarray(scale))
+    np.testing.assert_array_equal(np.asarray(got_mean), np.asarray(mean))
+    if smooth:  # the means are V's, and the scales those of V centred
+        np.testing.assert_allclose(np.asarray(mean), np.asarray(v32.mean(axis=1)), rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(np.asarray(scale), np.abs(v32 - mean[:, None]).max(axis=1) / 448, rtol=1e-6)
 
 
 def test_v_fp8_operand_zeroes_masked_keys_read_as_they_are():
@@ -353,6 +393,14 @@ def test_v_fp8_operand_zeroes_masked_keys_read_as_they_are():
         assert got[0].shape == (2, 3, 32, 64)
         for a, b in zip(got, want):
             np.testing.assert_array_equal(np.asarray(a.astype(jnp.float32)), np.asarray(b.astype(jnp.float32)))
+    # smoothed: the means and ranges of the valid keys only (the first batch element's are all valid)
+    got = v_fp8_operand(garbage, 32, permute_keys=True, kv_lengths=lengths, interpret=True, smooth=True)
+    short = v_fp8_operand(v[1:, :21], 32, permute_keys=True, interpret=True, smooth=True)
+    np.testing.assert_array_equal(np.asarray(got[2][1:]), np.asarray(short[2]))
+    np.testing.assert_array_equal(np.asarray(got[1][1:]), np.asarray(short[1]))
+    np.testing.assert_array_equal(np.asarray(got[0][1:, :, :, :32].astype(jnp.float32)),
+                                  np.asarray(short[0].astype(jnp.float32)))
+    assert not np.asarray(got[0][1:, :, :, 32:].astype(jnp.float32)).any()
 
 
 @pytest.mark.usefixtures("hopper")
