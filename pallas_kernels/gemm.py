@@ -401,6 +401,37 @@ def default_mosaic_config(m: int, n: int, k: int, block_scaled: bool, residual: 
     return MosaicConfig(tile_m=128, tile_n=128, max_concurrent_steps=3)
 
 
+# The most shared memory a CTA may have on Hopper (H100/H200: 227 KB).
+SHARED_MEMORY_BYTES = 232448
+
+
+def mosaic_shared_memory_bytes(config: MosaicConfig, out_itemsize: int, *, block_scaled: bool = False,
+                               swiglu_width: int = 0, col_vectors: int = 1) -> int:
+    """The shared memory `_mosaic_gemm` takes with `config`: the FP8 operand ring (and the scales travelling with
+    it when block-scaled), the output's two staging slots a warpgroup, the epilogue's row vector and `col_vectors`
+    column vectors (weight scales, bias, gate); the barriers left out. (4224 x 16384 -> 2048, float32 out, 64 x 256 tiles: 281088 here, 281712 by Mosaic's count
+    on the H200, session 13.)"""
+    cta_m = config.compute_wgs * config.tile_m
+    ring = config.max_concurrent_steps * (cta_m + config.tile_n) * (BLOCK_K + (4 if block_scaled else 0))
+    epi_n = swiglu_width or min(config.epi_tile_n, config.tile_n)
+    staging = config.compute_wgs * 2 * config.tile_m * epi_n * out_itemsize
+    vectors = config.compute_wgs * (config.tile_m + col_vectors * config.tile_n) * 4
+    return ring + staging + vectors
+
+
+def _fit_shared_memory(config: MosaicConfig, out_itemsize: int, **kwargs) -> MosaicConfig:
+    """`config` with narrower output slices, then a shallower ring, until it fits in shared memory (the defaults
+    are tuned for bf16 outputs; float32 ones need twice the staging)."""
+    def fits(c):
+        return mosaic_shared_memory_bytes(c, out_itemsize, **kwargs) <= SHARED_MEMORY_BYTES - 2048  # barriers
+
+    while not fits(config) and config.epi_tile_n > 32:
+        config = dataclasses.replace(config, epi_tile_n=config.epi_tile_n // 2)
+    while not fits(config) and config.max_concurrent_steps > 2:
+        config = dataclasses.replace(config, max_concurrent_steps=config.max_concurrent_steps - 1)
+    return config
+
+
 def _mosaic_gemm(x, x_scale, w_data, w_scale, bias, residual, gate, *, x_blocks, w_blocks, activation, out_dtype,
                  config: MosaicConfig, w_scale_rows: int = 1, swiglu_width: int = 0, interpret=False):
     import jax.experimental.pallas as pl
@@ -800,7 +831,11 @@ def scaled_matmul(x: jax.Array, w: GemmWeight, x_scale: jax.Array | None = None,
                          f"{w.layout!r} runs on backend='triton'")
     x_blocks, w_blocks = x_scale.ndim == 2, w.layout == "block"
     ws = w.scale
-    config = config or default_mosaic_config(m, w.n, w.k, x_blocks or w_blocks, residual is not None)
+    if config is None:
+        config = _fit_shared_memory(default_mosaic_config(m, w.n, w.k, x_blocks or w_blocks, residual is not None),
+                                    jnp.dtype(out_dtype).itemsize, block_scaled=x_blocks or w_blocks,
+                                    swiglu_width=w.swiglu_width,
+                                    col_vectors=max((not w_blocks) + (bias is not None) + (gate is not None), 1))
     # The kernel takes whole tiles: pad rows and columns (cheap next to the product for DiT shapes, which need none).
     cta_m, tn = config.compute_wgs * config.tile_m, config.tile_n
     pm, pn = (-m) % cta_m, (-w.n) % tn

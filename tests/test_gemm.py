@@ -91,6 +91,25 @@ def test_fused_epilogue_is_residual_plus_gate_times_activation(backend):
     assert relative_l2(y, expected) < 1e-6
 
 
+def test_default_mosaic_tiles_fit_shared_memory_for_float32_outputs():
+    """The default tiles are tuned for bf16 outputs; float32 ones double the output's staging, which overflowed
+    shared memory on the H200 at 4224 x 16384 -> 2048 (281712 bytes > 232448, session 13). `scaled_matmul` narrows
+    the output slices (then the ring) until they fit, and leaves the bf16 defaults as they are."""
+    assert abs(gemm.mosaic_shared_memory_bytes(gemm.default_mosaic_config(4224, 2048, 16384, False), 4)
+               - 281712) < 0.01 * 281712  # the estimate against Mosaic's count for the failing case
+    for m in (1024, 4224, 4608):
+        for n, k in ((2048, 16384), (6144, 6144), (32768, 6144)):
+            for block_scaled in (False, True):
+                for residual in (False, True):
+                    config = gemm.default_mosaic_config(m, n, k, block_scaled, residual)
+                    options = dict(block_scaled=block_scaled, col_vectors=3)  # scales, bias and gate
+                    assert gemm._fit_shared_memory(config, 2, **options) == config  # bf16: unchanged
+                    fitted = gemm._fit_shared_memory(config, 4, **options)
+                    assert gemm.mosaic_shared_memory_bytes(fitted, 4, **options) <= gemm.SHARED_MEMORY_BYTES - 2048
+                    assert (fitted.tile_m, fitted.tile_n, fitted.compute_wgs) == (
+                        config.tile_m, config.tile_n, config.compute_wgs)
+
+
 @pytest.mark.parametrize("config", [
     gemm.MosaicConfig(64, 128, 2, epi_tile_n=64, prefetch_residual=True),
     gemm.MosaicConfig(64, 192, 2, epi_tile_n=64, prefetch_residual=True),  # the third slice waits for its slot
