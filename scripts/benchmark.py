@@ -1181,7 +1181,7 @@ def jax_attention(args) -> list[dict]:
                 options += [(True, "adds", True), (True, "wgmma", False)] if pv == "fp8" else []
                 for q_in_kernel, row_sums, smooth_v in options:
                     where = "Q in the kernel" if q_in_kernel else "Q by its pass"
-                    where += ", row sums by adds" if row_sums == "adds" and pv == "fp8" else ""
+                    where += ", row sums by adds" if row_sums == "adds" else ""
                     where += ", V not smoothed" if not smooth_v else ""
                     name = (f"int8-QK {pv}-PV mosaic k{bk} s{stages} with fused RMSNorm+rotary+quantize prologue "
                             f"({where}), {tag}")
