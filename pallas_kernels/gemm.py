@@ -368,7 +368,9 @@ class MosaicConfig:
     output (the CTA covers compute_wgs * tile_m rows); the K step is 128. `max_concurrent_steps`: shared-memory
     pipeline depth. `grid_tile_width`: how many tiles along the minor grid dimension the persistent loop sweeps before
     turning (output tiles that share operands run close together in time, so they hit L2). `prefetch_residual`: the
-    residual epilogue's first two column slices are fetched when the tile starts, not after its main loop."""
+    residual epilogue's first two column slices are fetched when the tile starts, not after its main loop.
+    `cluster_n`: CTAs a cluster, side by side along N; they share their rows of x, which one TMA multicast brings to
+    all of them (less L2-to-SM traffic a FLOP)."""
 
     tile_m: int = 128
     tile_n: int = 128
@@ -378,10 +380,12 @@ class MosaicConfig:
     grid_tile_width: int = 8
     compute_wgs: int = 2
     prefetch_residual: bool = False
+    cluster_n: int = 1
 
 
 def default_mosaic_config(m: int, n: int, k: int, block_scaled: bool, residual: bool = False) -> MosaicConfig:
-    """The tiles the benchmark picked for this kind of shape on an H200 (see pallas_kernels/NOTES.md)."""
+    """The tiles the benchmark picked for this kind of shape on an H200 (see pallas_kernels/NOTES.md). No clusters:
+    at Krea 2's shapes they saved ~1.5% of the SwiGLU GEMM's energy in a loop and nothing measurable in the step."""
     if block_scaled:
         # Promotion keeps a partial and a total accumulator in registers: 64 x 128 per warpgroup leaves room for both.
         # Three compute warpgroups keep the tensor cores busy while the others promote (1387 vs 1143 TFLOP/s at
@@ -445,6 +449,11 @@ def _mosaic_gemm(x, x_scale, w_data, w_scale, bias, residual, gate, *, x_blocks,
     cta_m = wgs * tm
     if m % cta_m or n % tn or k % tk:
         raise ValueError(f"mosaic gemm: ({m}, {k}) x ({n}, {k}) must be multiples of ({cta_m}, {tk}) x ({tn}, {tk})")
+    cluster_n = config.cluster_n
+    if n % (tn * cluster_n):
+        raise ValueError(f"mosaic gemm: n = {n} must be a multiple of tile_n * cluster_n = {tn * cluster_n}")
+    if interpret and cluster_n > 1:  # it would hand each CTA only its share of x's tile
+        raise ValueError("mosaic gemm: interpret mode does not model TMA multicast; use cluster_n=1")
     m_iters, n_iters, k_iters = m // cta_m, n // tn, k // tk
     swiglu = activation == "swiglu"
     if swiglu and tn % (2 * swiglu_width):
@@ -481,7 +490,8 @@ def _mosaic_gemm(x, x_scale, w_data, w_scale, bias, residual, gate, *, x_blocks,
             return barriers.at[wg * n_barriers + i]
 
         def pipeline(body, compute_context):
-            specs = [plgpu.BlockSpec((cta_m, tk), lambda kk: (0, kk), transforms=fp8_transforms),
+            specs = [plgpu.BlockSpec((cta_m, tk), lambda kk: (0, kk), transforms=fp8_transforms,
+                                     collective_axes=("cluster",) if cluster_n > 1 else ()),
                      plgpu.BlockSpec((tn, tk), lambda kk: (0, kk), transforms=fp8_transforms)]
             if x_blocks:
                 specs.append(plgpu.BlockSpec((1, cta_m), lambda kk: (kk, 0)))
@@ -491,11 +501,13 @@ def _mosaic_gemm(x, x_scale, w_data, w_scale, bias, residual, gate, *, x_blocks,
                 body, grid=(k_iters,), memory_registers=40, in_specs=specs, wg_axis="wg", num_compute_wgs=wgs,
                 max_concurrent_steps=steps, compute_context=compute_context)
 
-        @plgpu.nd_loop((m_iters * n_iters,), collective_axes="sm")
+        @plgpu.nd_loop((m_iters * n_iters // cluster_n,), collective_axes="sm")
         def _tile_loop(info):
             (lin,) = info.index
-            mi, ni = plgpu.planar_snake(lin, (m_iters, n_iters), 1 if config.grid_minor_n else 0,
+            mi, ni = plgpu.planar_snake(lin, (m_iters, n_iters // cluster_n), 1 if config.grid_minor_n else 0,
                                         config.grid_tile_width)
+            if cluster_n > 1:  # the cluster's CTAs take neighbouring column tiles of the same rows
+                ni = ni * cluster_n + lax.axis_index("cluster")
             rows = pl.ds(mi * cta_m, cta_m)
             cols = pl.ds(ni * tn, tn)
             wg_rows = pl.ds(wg * tm, tm)
@@ -612,8 +624,9 @@ def _mosaic_gemm(x, x_scale, w_data, w_scale, bias, residual, gate, *, x_blocks,
     call = plgpu.kernel(
         kernel,
         out_type=jax.ShapeDtypeStruct((m, n // 2 if swiglu else n), out_dtype),
-        grid=(min(num_sms, m_iters * n_iters),),
+        grid=(min(num_sms // cluster_n, m_iters * n_iters // cluster_n),),
         grid_names=("sm",),
+        **(dict(cluster=(cluster_n,), cluster_names=("cluster",)) if cluster_n > 1 else {}),
         num_threads=wgs + 1,
         thread_name="wg",
         scratch_types=dict(
@@ -837,7 +850,7 @@ def scaled_matmul(x: jax.Array, w: GemmWeight, x_scale: jax.Array | None = None,
                                     swiglu_width=w.swiglu_width,
                                     col_vectors=max((not w_blocks) + (bias is not None) + (gate is not None), 1))
     # The kernel takes whole tiles: pad rows and columns (cheap next to the product for DiT shapes, which need none).
-    cta_m, tn = config.compute_wgs * config.tile_m, config.tile_n
+    cta_m, tn = config.compute_wgs * config.tile_m, config.tile_n * config.cluster_n
     pm, pn = (-m) % cta_m, (-w.n) % tn
     data = w.data
     if pm:

@@ -1,6 +1,8 @@
 """The block-scaled GEMM kernels (Mosaic GPU and Triton lowering, in Pallas interpret mode on the CPU) against the
 plain-jnp definition, on shapes that are not multiples of the tiles."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -209,6 +211,37 @@ def test_mosaic_kernel_lowers_for_the_gpu(monkeypatch, fmt, scaling, epilogue, m
 
     lowered = jax.jit(product).trace(jax.ShapeDtypeStruct((m, k), jnp.bfloat16)).lower(lowering_platforms=("cuda",))
     assert "mosaic_gpu" in lowered.as_text()
+
+
+@pytest.mark.parametrize("epilogue,scaling", [("none", "token"), ("swiglu", "token"), ("residual", "token"),
+                                              ("none", "block")])
+def test_mosaic_kernel_with_clusters_lowers_for_the_gpu(monkeypatch, epilogue, scaling):
+    """Two CTAs a cluster along N share x's tile by TMA multicast. The interpreter does not model multicast, so the
+    CPU checks the lowering (the GPU compares the output with `cluster_n=1`'s: NOTES.md, session 14)."""
+    monkeypatch.setattr(gemm, "_num_sms", lambda: 132)
+    m, k, n = 4224, 256, 1024
+    w = jax.random.normal(jax.random.key(0), (n, k), jnp.float32) * k**-0.5
+    if epilogue == "swiglu":
+        weight = gemm.swiglu_weight(*(gemm.prepare_weight(half, "fp8_e4m3") for half in (w[: n // 2], w[n // 2:])))
+    else:
+        weight = gemm.prepare_weight(w, "fp8_e4m3")
+    extra = {"residual": jnp.zeros((m, n), jnp.bfloat16), "gate": jnp.ones((n,))} if epilogue == "residual" else {}
+    base = gemm.default_mosaic_config(m, n, k, scaling == "block", residual=epilogue == "residual")
+    config = dataclasses.replace(base, cluster_n=2)
+
+    def product(x):
+        return gemm.scaled_matmul(x, weight, x_scaling=scaling, activation="swiglu" if epilogue == "swiglu" else "none",
+                                  backend="mosaic", config=config, **extra)
+
+    lowered = jax.jit(product).trace(jax.ShapeDtypeStruct((m, k), jnp.bfloat16)).lower(lowering_platforms=("cuda",))
+    assert "mosaic_gpu" in lowered.as_text()
+    xq, xs = gemm.quantize_activations(jnp.ones((m, k)), scaling)
+    with pytest.raises(ValueError, match="cluster_n"):
+        gemm._mosaic_gemm(xq, xs, weight.data[: n - base.tile_n], weight.scale, None, None, None, x_blocks=False,
+                          w_blocks=False, activation="none", out_dtype=jnp.bfloat16, config=config)
+    with pytest.raises(ValueError, match="multicast"):
+        gemm._mosaic_gemm(xq, xs, weight.data, weight.scale, None, None, None, x_blocks=False, w_blocks=False,
+                          activation="none", out_dtype=jnp.bfloat16, config=config, interpret=True)
 
 
 def test_fast_activation_quantizer_gives_the_bits_of_quant_formats():
