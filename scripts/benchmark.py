@@ -65,13 +65,29 @@ def _step_flops(cfg, image_len: int, text_len: int) -> float:
     return cfg.num_layers * (seq * per_token + attention)
 
 
+def _gpu_energy_mj() -> int | None:
+    """The GPU's energy counter (NVML, millijoules since the driver loaded), or None without NVML."""
+    import ctypes
+
+    try:
+        nvml = ctypes.CDLL("libnvidia-ml.so.1")
+        handle, mj = ctypes.c_void_p(), ctypes.c_ulonglong()
+        if (nvml.nvmlInit_v2() or nvml.nvmlDeviceGetHandleByIndex_v2(0, ctypes.byref(handle))
+                or nvml.nvmlDeviceGetTotalEnergyConsumption(handle, ctypes.byref(mj))):
+            return None
+        return mj.value
+    except (OSError, AttributeError):
+        return None
+
+
 class _GpuClocks:
     """nvidia-smi's SM clock and power draw, sampled every 100 ms while the `with` block runs; `.summary()` gives
-    their median / minimum / maximum (empty without nvidia-smi). Why: the H200 holds its 700 W cap in a quantized
-    Krea 2 step by lowering its clock (median 1635 of 1980 MHz, NOTES.md session 8), so a figure means little without
-    the clock it ran at."""
+    their median / minimum / maximum and the energy the GPU used meanwhile (NVML's counter; empty without them).
+    Why: the H200 holds its 700 W cap in a quantized Krea 2 step by lowering its clock (median 1635 of 1980 MHz,
+    NOTES.md session 8), so a figure means little without the clock it ran at, and energy a step is what bounds it."""
 
     def __enter__(self):
+        self.energy_mj = _gpu_energy_mj()
         try:
             self.proc = subprocess.Popen(["nvidia-smi", "--query-gpu=clocks.sm,power.draw", "--format=csv,noheader,"
                                           "nounits", "-lms", "100", "-i", "0"], stdout=subprocess.PIPE,
@@ -81,6 +97,8 @@ class _GpuClocks:
         return self
 
     def __exit__(self, *exc):
+        end_mj = _gpu_energy_mj()
+        self.energy_j = None if end_mj is None or self.energy_mj is None else (end_mj - self.energy_mj) / 1000
         self.samples = []
         if self.proc is not None:
             self.proc.terminate()
@@ -97,19 +115,25 @@ class _GpuClocks:
                 self.samples.append((mhz, watts))
 
     def summary(self) -> dict:
+        energy = {} if self.energy_j is None else {"energy_j": self.energy_j}
         if not self.samples:
-            return {}
+            return energy
         mhz, watts = zip(*self.samples)
-        return {"sm_mhz_median": statistics.median(mhz), "sm_mhz_min": min(mhz), "power_w_max": max(watts)}
+        return {"sm_mhz_median": statistics.median(mhz), "sm_mhz_min": min(mhz), "power_w_max": max(watts), **energy}
 
 
-def _timed(run, iters: int, repeats: int) -> dict:
+def _timed(run, iters: int, repeats: int, settle_s: float = 0.0) -> dict:
     """`run(n)` runs n steps and waits for them: the first call of one step (compilation included) as compile_s, then
     the median seconds a step over `repeats` runs of `iters` steps, and their spread; with the GPU's clock and power
-    over the timed runs (`_GpuClocks`)."""
+    over the timed runs (`_GpuClocks`). `settle_s`: seconds of untimed runs first. The H200's power cap acts with a
+    lag: runs that start from an idle GPU (after a compilation) draw over 700 W for a while and come out up to ~6%
+    faster than the same steps sustained (NOTES.md, session 14)."""
     t0 = time.perf_counter()
     run(1)
     compile_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < settle_s:
+        run(iters)
     times = []
     with _GpuClocks() as clocks:
         for _ in range(repeats):
@@ -117,8 +141,12 @@ def _timed(run, iters: int, repeats: int) -> dict:
             run(iters)
             times.append((time.perf_counter() - t0) / iters)
     median = statistics.median(times)
+    gpu = clocks.summary()
+    if "energy_j" in gpu:  # energy a step, and the mean power it implies (the cap is 700 W on the H200)
+        gpu["joules_per_step"] = gpu.pop("energy_j") / (iters * repeats)
+        gpu["power_w_mean"] = gpu["joules_per_step"] * iters * repeats / sum(t * iters for t in times)
     return {"compile_s": compile_s, "s_per_step": median, "spread": (max(times) - min(times)) / median,
-            "repeats_s": times, **clocks.summary()}
+            "repeats_s": times, **gpu}
 
 
 def jax_krea2_step(args) -> list[dict]:
@@ -179,7 +207,8 @@ def jax_krea2_step(args) -> list[dict]:
                                f"{'masked' if masked else 'no mask'}, {mode}{', text fused once' if args.fused_text else ''}",
                        "weights_gb": weights_gb}
                 try:
-                    row.update(_timed(lambda n, call=call: jax.block_until_ready(call(n)), args.iters, args.repeats))
+                    row.update(_timed(lambda n, call=call: jax.block_until_ready(call(n)), args.iters, args.repeats,
+                                      args.settle_s))
                     row["tflops"] = flops / row["s_per_step"] / 1e12
                     if mode == "one jitted loop":  # the step's own memory beside the weights (the process peak
                         # also holds the bf16 weights the quantized ones were made from)
@@ -402,6 +431,11 @@ def _torch_time(fn, inputs: dict, args, name: str, flops: float, warmup: int = 3
                 fn(**inputs)
             torch.cuda.synchronize()
             row["compile_s"] = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            while time.perf_counter() - t0 < getattr(args, "settle_s", 0.0):  # as `_timed`: to the cap's steady state
+                for _ in range(args.iters):
+                    fn(**inputs)
+                torch.cuda.synchronize()
             times = []
             for _ in range(args.repeats):
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -957,7 +991,8 @@ def jax_gemm(args) -> list[dict]:
         sweep = args.sweep and (shape == args.shapes[0] or m <= 2048)
         # Earlier sweeps (pallas_kernels/NOTES.md) chose the defaults; these are the alternatives still worth a look.
         mosaic_token = [None, gemm.MosaicConfig(64, 128, 4, compute_wgs=3),
-                        gemm.MosaicConfig(64, 256, 3, compute_wgs=2, epi_tile_n=128)] if sweep else [None]
+                        gemm.MosaicConfig(64, 256, 3, compute_wgs=2, epi_tile_n=128),
+                        gemm.MosaicConfig(64, 256, 3, compute_wgs=2, epi_tile_n=128, cluster_n=2)] if sweep else [None]
         mosaic_block = [None, gemm.MosaicConfig(64, 128, 4, compute_wgs=2),
                         gemm.MosaicConfig(64, 64, 4, compute_wgs=3)] if sweep else [None]
         if "mosaic" in args.backends:
@@ -1461,7 +1496,8 @@ def krea2_step(args) -> None:
 
 def _forwarded(args) -> list[str]:
     out = ["--height", str(args.height), "--width", str(args.width), "--text-len", str(args.text_len),
-           "--valid-text", str(args.valid_text), "--iters", str(args.iters), "--repeats", str(args.repeats)]
+           "--valid-text", str(args.valid_text), "--iters", str(args.iters), "--repeats", str(args.repeats),
+           "--settle-s", str(args.settle_s)]
     if args.num_layers:
         out += ["--num-layers", str(args.num_layers)]
     if args.torch_compile:
@@ -1472,7 +1508,7 @@ def _forwarded(args) -> list[str]:
 def _table(rows: list[dict], title: str) -> None:
     print(f"\n{title}")
     print(f"{'implementation':<62} {'s/step':>8} {'TFLOP/s':>8} {'peak GB':>8} {'warm-up s':>9} {'weights GB':>10} "
-          f"{'temp GB':>8} {'SM MHz':>7} {'max W':>6}")
+          f"{'temp GB':>8} {'SM MHz':>7} {'max W':>6} {'mean W':>6} {'J/step':>6}")
     for r in rows:
         if "name" not in r:
             continue
@@ -1481,7 +1517,7 @@ def _table(rows: list[dict], title: str) -> None:
             continue
         extra = "".join(f" {r[k]:{w}.{d}f}" if k in r else f" {'':>{w}}"
                         for k, w, d in (("weights_gb", 10, 1), ("temp_gb", 8, 1), ("sm_mhz_median", 7, 0),
-                                        ("power_w_max", 6, 0)))
+                                        ("power_w_max", 6, 0), ("power_w_mean", 6, 0), ("joules_per_step", 6, 1)))
         print(f"{r['name']:<62} {r['s_per_step']:8.4f} {r['tflops']:8.0f} {r['peak_gb']:8.1f} {r['compile_s']:9.1f}"
               + extra)
 
@@ -1510,6 +1546,9 @@ def main(argv=None) -> None:
         _krea2_shape_arguments(p)
         p.add_argument("--iters", type=int, default=10, help="steps per timed repeat")
         p.add_argument("--repeats", type=int, default=3)
+        p.add_argument("--settle-s", type=float, default=3.0,
+                       help="seconds of untimed steps before timing: the H200 settles at its power cap (0: the burst "
+                            "after an idle GPU, up to ~6%% faster)")
         p.add_argument("--torch-compile", action="store_true", help="also time diffusers under torch.compile")
         p.add_argument("--no-diffusers", dest="diffusers", action="store_false")
         p.add_argument("--jax-attention", nargs="+", default=["cudnn"], choices=ATTENTION_CHOICES)

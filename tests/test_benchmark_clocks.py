@@ -32,3 +32,22 @@ def test_no_nvidia_smi_gives_no_clock_figures(benchmark, tmp_path, monkeypatch):
     monkeypatch.setenv("PATH", str(tmp_path))  # an empty folder: no nvidia-smi
     row = benchmark._timed(lambda n: None, 1, 1)
     assert "s_per_step" in row and not any(k.startswith(("sm_", "power_")) for k in row)
+
+
+def test_energy_counter_gives_joules_and_mean_power_a_step(benchmark, tmp_path, monkeypatch):
+    """NVML's energy counter read before and after the timed runs: joules a step over all timed steps, and the mean
+    power they imply (the figure that says whether the step sits at the 700 W cap)."""
+    monkeypatch.setenv("PATH", str(tmp_path))
+    readings = iter([1_000_000, 1_000_000 + 4 * 70_000])  # millijoules: 70 J a step over 2 x 2 steps
+    monkeypatch.setattr(benchmark, "_gpu_energy_mj", lambda: next(readings))
+    row = benchmark._timed(lambda n: time.sleep(0.05 * n), 2, 2)
+    assert row["joules_per_step"] == pytest.approx(70.0)
+    assert row["power_w_mean"] == pytest.approx(70.0 / 0.05, rel=0.3)  # sleeps overshoot a little
+    assert "energy_j" not in row
+
+
+def test_no_energy_counter_gives_no_energy_figures(benchmark, tmp_path, monkeypatch):
+    monkeypatch.setenv("PATH", str(tmp_path))
+    monkeypatch.setattr(benchmark, "_gpu_energy_mj", lambda: None)
+    row = benchmark._timed(lambda n: None, 1, 1)
+    assert not any(k in row for k in ("joules_per_step", "power_w_mean", "energy_j"))
