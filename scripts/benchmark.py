@@ -275,7 +275,7 @@ def jax_krea2_offload(args) -> list[dict]:
                 x = (x + 1e-3 * streamed(x, text, timestep, position_ids, mask)).astype(x.dtype)
             return jax.block_until_ready(x)
 
-        row.update(_timed(steps, args.iters, args.repeats))
+        row.update(_timed(steps, args.iters, args.repeats, args.settle_s))
         row["tflops"] = flops / row["s_per_step"] / 1e12
         if resident < cfg.num_layers:
             row.update(_streamed_block_times(streamed, hidden, text, timestep, position_ids, mask))
@@ -320,7 +320,7 @@ def krea2_offload(args) -> None:
                          capture_output=True, text=True, check=True).stdout.split()[0]) / 1024  # GiB
     forwarded = ["--height", str(args.height), "--width", str(args.width), "--text-len", str(args.text_len),
                  "--valid-text", str(args.valid_text), "--iters", str(args.iters), "--repeats", str(args.repeats),
-                 "--prefetch", str(args.prefetch), "--precision", args.precision]
+                 "--prefetch", str(args.prefetch), "--precision", args.precision, "--settle-s", str(args.settle_s)]
     forwarded += ["--num-layers", str(args.num_layers)] if args.num_layers else []
     rows = _subprocess_rows(args, "krea2-offload-jax", forwarded + ["--resident", "all"])
     fraction = f"{args.device_memory_gb * 1e9 / 2**30 / total:.3f}"
@@ -810,7 +810,7 @@ def jax_flux_step(args) -> list[dict]:
             return jax.block_until_ready(x)
 
         try:
-            row.update(_timed(steps, args.iters, args.repeats))
+            row.update(_timed(steps, args.iters, args.repeats, args.settle_s))
             row["tflops"] = _flux_flops(cfg, hidden.shape[1], text.shape[1]) / row["s_per_step"] / 1e12
         except Exception as e:  # record and go on with the other precisions
             row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
@@ -1312,7 +1312,7 @@ def attention_benchmark(args) -> None:
 
 def flux_step(args) -> None:
     forwarded = ["--height", str(args.height), "--width", str(args.width), "--text-len", str(args.text_len),
-                 "--iters", str(args.iters), "--repeats", str(args.repeats)]
+                 "--iters", str(args.iters), "--repeats", str(args.repeats), "--settle-s", str(args.settle_s)]
     rows = _subprocess_rows(args, "flux-step-diffusers", forwarded) if args.diffusers else []
     rows += _subprocess_rows(args, "flux-step-jax", forwarded + ["--precisions", *args.precisions,
                                                                   "--stacked", "yes" if args.stacked else "no"])
@@ -1594,6 +1594,7 @@ def main(argv=None) -> None:
         p.add_argument("--text-len", type=int, default=512)
         p.add_argument("--iters", type=int, default=10)
         p.add_argument("--repeats", type=int, default=3)
+        p.add_argument("--settle-s", type=float, default=3.0, help="as krea2-step's: untimed steps at the power cap")
         p.add_argument("--no-diffusers", dest="diffusers", action="store_false")
         p.add_argument("--precisions", nargs="+", default=["bf16"], choices=PRECISION_CHOICES,
                        help="the blocks' matrices in this format through the GEMM kernels (bf16: XLA's dots)")
@@ -1670,6 +1671,7 @@ def main(argv=None) -> None:
                        help="the blocks' matrices in this format, streamed as such (bf16: as they are)")
         p.add_argument("--iters", type=int, default=5)
         p.add_argument("--repeats", type=int, default=3)
+        p.add_argument("--settle-s", type=float, default=3.0, help="as krea2-step's: untimed steps at the power cap")
         p.add_argument("--json", default=None)
         if name == "krea2-offload":
             p.add_argument("--resident", nargs="+", default=["16", "20"], help="blocks kept on the device, per run")
