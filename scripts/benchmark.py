@@ -2,6 +2,7 @@
 
     python scripts/benchmark.py krea2-step                      # full size, 1024x1024, JAX variants + diffusers
     python scripts/benchmark.py krea2-step --num-layers 2 --no-diffusers   # a quick smoke run
+    python scripts/benchmark.py krea2-energy                    # energy a kernel of the fp8 step at the power cap
     python scripts/benchmark.py vae-decode                      # Qwen-Image and FLUX VAE decode, 1024 and 2048
     python scripts/benchmark.py krea2-pipeline                  # Turbo 8 steps end to end, warm and cold
     python scripts/benchmark.py flux-step                       # FLUX.1-dev, one step at 1024x1024
@@ -877,6 +878,136 @@ def _cupti_seconds(fn, *inputs, iterations: int, by_kernel: bool = False):
     return statistics.median(totals), {k: statistics.median(v) for k, v in names.items()}
 
 
+def _energy_per_call(fn, *args, seconds: float = 2.5, kernels_per_call: int = 1) -> dict:
+    """Energy and time a kernel at the power cap: `fn(*args)` dispatched back to back for ~`seconds` (after a quarter
+    of that untimed, to reach the cap), the GPU's energy counter read around (NVML). `kernels_per_call`: the kernels
+    one call runs (short kernels go several a dispatch, on distinct inputs, so the host keeps up)."""
+    import jax
+
+    jax.block_until_ready(fn(*args))
+    t0 = time.perf_counter()
+    for _ in range(5):
+        out = fn(*args)
+    jax.block_until_ready(out)
+    calls = max(int(seconds / ((time.perf_counter() - t0) / 5)), 10)
+    for _ in range(calls // 4):
+        out = fn(*args)
+    jax.block_until_ready(out)
+    with _GpuClocks() as clocks:
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            out = fn(*args)
+        jax.block_until_ready(out)
+        elapsed = time.perf_counter() - t0
+    gpu, n = clocks.summary(), calls * kernels_per_call
+    row = {"kernels": n, "us_per_kernel": elapsed / n * 1e6, "sm_mhz_median": gpu.get("sm_mhz_median")}
+    if "energy_j" in gpu:
+        row.update(mj_per_kernel=gpu["energy_j"] / n * 1e3, power_w_mean=gpu["energy_j"] / elapsed)
+    return row
+
+
+def krea2_gemm_shapes(cfg) -> dict[str, tuple[int, int, str]]:
+    """A Krea 2 block's products as the fp8 stacked step runs them: name -> (k, n, epilogue)."""
+    d, kv, f = cfg.hidden_size, cfg.num_key_value_heads * cfg.attention_head_dim, cfg.intermediate_size
+    return {"QKVG GEMM": (d, 2 * d + 2 * kv, "none"), "SwiGLU GEMM": (d, 2 * f, "swiglu"),
+            "out GEMM + gated residual": (d, d, "residual"), "down GEMM + gated residual": (f, d, "residual")}
+
+
+def krea2_energy(args) -> None:
+    """Energy a kernel of the fp8 Krea 2 step at the H200's power cap (NOTES.md, session 14: the step is bound by its
+    energy, ~75 J a step at 700 W): each kernel on its own in a ~2.5 s loop, random inputs of the step's shapes, and
+    the joules a step its calls take (28 blocks). The GPU clocks each kernel alone as the cap allows, which is not
+    quite the step's clock: compare kernels and variants, and the sum with `krea2-step`'s J a step."""
+    import jax
+    import jax.numpy as jnp
+
+    from mxdit.model import layers
+    from mxdit.pallas_kernels import activations, gemm
+
+    print(json.dumps({"device": str(jax.devices()[0]), "backend": jax.default_backend()}), flush=True)
+    cfg = _config(args)
+    m = (args.height // 16) * (args.width // 16) + args.text_len
+    blocks = cfg.num_layers
+    keys = iter(jax.random.split(jax.random.key(0), 64))
+    rows = []
+
+    def record(name, per_step, fn, *inputs, kernels_per_call=1):
+        row = {"name": name, "calls_per_step": per_step}
+        try:
+            row.update(_energy_per_call(fn, *inputs, seconds=args.seconds, kernels_per_call=kernels_per_call))
+            if "mj_per_kernel" in row:
+                row["j_per_step"] = row["mj_per_kernel"] * per_step / 1e3
+        except Exception as e:  # record and go on with the other kernels
+            row["error"] = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:300]}"
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+
+    for name, (k, n, epilogue) in krea2_gemm_shapes(cfg).items():
+        w = jax.random.normal(next(keys), (n, k), jnp.float32) * k**-0.5
+        if epilogue == "swiglu":
+            weight = gemm.swiglu_weight(*(gemm.prepare_weight(half, "fp8_e4m3") for half in (w[: n // 2], w[n // 2:])))
+        else:
+            weight = gemm.prepare_weight(w, "fp8_e4m3")
+        del w
+        xq, xs = gemm.quantize_activations(jax.random.normal(next(keys), (m, k), jnp.float32))
+        extra = {} if epilogue != "residual" else {
+            "residual": jax.random.normal(next(keys), (m, n), jnp.bfloat16),
+            "gate": jax.random.normal(next(keys), (n,), jnp.float32)}
+        config = gemm.default_mosaic_config(m, n, k, False, residual=epilogue == "residual")
+        if args.cluster_n > 1 and n % (config.tile_n * args.cluster_n) == 0:
+            config = dataclasses.replace(config, cluster_n=args.cluster_n)
+        product = jax.jit(lambda xq, xs, weight, extra, config=config, epilogue=epilogue: gemm.scaled_matmul(
+            xq, weight, xs, activation="swiglu" if epilogue == "swiglu" else "none", config=config, **extra))
+        record(name + (f" (cluster {config.cluster_n})" if config.cluster_n > 1 else ""), blocks, product, xq, xs,
+               weight, extra)
+        if epilogue == "swiglu":  # the reference: cuBLAS's FP8 GEMM, no scales, bf16 out
+            xla_dot = jax.jit(lambda a, b: jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())),
+                                                                 preferred_element_type=jnp.bfloat16))
+            record("  (XLA's FP8 dot at the SwiGLU GEMM's shape, for reference)", 0, xla_dot, xq, weight.data)
+        del weight, extra
+
+    h, hk, dh = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.attention_head_dim
+    stacked = jax.random.normal(next(keys), (1, m, (2 * h + 2 * hk) * dh), jnp.bfloat16)
+    norm_q, norm_k = (0.1 * jax.random.normal(next(keys), (dh,), jnp.float32) for _ in range(2))
+    angles = jnp.arange(m)[:, None] * (1.0 / 10000 ** (jnp.arange(0, dh, 2) / dh))
+    rotary = (jnp.repeat(jnp.cos(angles), 2, -1), jnp.repeat(jnp.sin(angles), 2, -1))
+    lengths = jnp.array([m - (args.text_len - args.valid_text)], jnp.int32)
+    attend = jax.jit(lambda qkv: layers.int8_attention_from_stacked(qkv, h, hk, norm_q, norm_k, cfg.norm_eps, rotary,
+                                                                    lengths, implementation=args.attention))
+    record(f"attention ({args.attention}, with its prologue passes)", blocks, attend, stacked)
+    del stacked
+
+    r = 16  # distinct inputs a dispatch: the row kernels take ~40-60 us each
+    d, f = cfg.hidden_size, cfg.intermediate_size
+    xs_rows = [jax.random.normal(k_, (1, m, d), jnp.bfloat16) for k_ in jax.random.split(next(keys), r)]
+    weight = 0.1 * jax.random.normal(next(keys), (d,), jnp.float32)
+    scale, shift = (0.1 * jax.random.normal(next(keys), (1, 1, d), jnp.bfloat16) for _ in range(2))
+    record("modulated_rms_norm_fp8", 2 * blocks, jax.jit(lambda xs: [
+        activations.modulated_rms_norm_fp8(x, weight, scale, shift, cfg.norm_eps) for x in xs]), xs_rows,
+        kernels_per_call=r)
+    hs = [jax.random.normal(k_, (1, m, f), jnp.bfloat16) for k_ in jax.random.split(next(keys), r)]
+    record("tokens_fp8", blocks, jax.jit(lambda hs: [activations.tokens_fp8(x) for x in hs]), hs, kernels_per_call=r)
+    del hs
+    qkvg = [jax.random.normal(k_, (1, m, 2 * d + 2 * hk * dh), jnp.bfloat16) for k_ in jax.random.split(next(keys), r)]
+    record("sigmoid_gated_fp8", blocks, jax.jit(lambda xs, st: [
+        activations.sigmoid_gated_fp8(x, g, d + 2 * hk * dh) for x, g in zip(xs, st)]), xs_rows, qkvg,
+        kernels_per_call=r)
+
+    total = sum(r_.get("j_per_step", 0.0) for r_ in rows)
+    print(f"\nKrea 2 fp8 step's kernels alone at the power cap, {m} tokens ({blocks} blocks)")
+    print(f"{'kernel':<62} {'calls':>5} {'us':>8} {'mJ':>7} {'W':>5} {'MHz':>5} {'J/step':>7}")
+    for r_ in rows:
+        if "error" in r_:
+            print(f"{r_['name']:<62} error: {r_['error']}")
+            continue
+        print(f"{r_['name']:<62} {r_['calls_per_step']:5d} {r_['us_per_kernel']:8.1f} "
+              f"{r_.get('mj_per_kernel', float('nan')):7.1f} {r_.get('power_w_mean', float('nan')):5.0f} "
+              f"{r_['sm_mhz_median'] or 0:5.0f} {r_.get('j_per_step', float('nan')):7.2f}")
+    print(f"{'sum':<62} {'':>5} {'':>8} {'':>7} {'':>5} {'':>5} {total:7.2f}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
+
+
 def qk_prologue(args) -> None:
     """The INT8 attention's fused Q/K prologue (RMSNorm, rotary, K smoothing, INT8 per block: Krea 2's Q and K read
     in place from the stacked QKVG product) for each --heads-per-program x --warps x --split-pairs: CUPTI time of each
@@ -1541,6 +1672,13 @@ def main(argv=None) -> None:
     p.add_argument("--iters", type=int, default=2, help="steps traced")
     p.add_argument("--top", type=int, default=40, help="kernels listed")
     p.add_argument("--trace-dir", default="/tmp/mxdit-profile")
+    p = sub.add_parser("krea2-energy")
+    _krea2_shape_arguments(p)
+    p.set_defaults(text_len=128)
+    p.add_argument("--attention", default="int8_mosaic_fp8", choices=ATTENTION_CHOICES)
+    p.add_argument("--cluster-n", type=int, default=1, help="the GEMMs' CTAs a cluster (MosaicConfig.cluster_n)")
+    p.add_argument("--seconds", type=float, default=2.5, help="each kernel's timed loop")
+    p.add_argument("--json", default=None)
     for name in ("krea2-step", "krea2-step-diffusers"):
         p = sub.add_parser(name)
         _krea2_shape_arguments(p)
@@ -1682,6 +1820,7 @@ def main(argv=None) -> None:
     commands = {
         "krea2-offload": krea2_offload, "krea2-offload-jax": jax_krea2_offload,
         "krea2-step": krea2_step, "krea2-step-diffusers": diffusers_krea2_step, "krea2-profile": krea2_profile,
+        "krea2-energy": krea2_energy,
         "krea2-pipeline": krea2_pipeline, "krea2-pipeline-diffusers": diffusers_krea2_pipeline,
         "krea2-pipeline-jax": jax_krea2_pipeline,
         "vae-decode": vae_decode, "vae-decode-diffusers": diffusers_vae_decode, "vae-decode-jax": jax_vae_decode,

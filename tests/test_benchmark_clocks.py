@@ -51,3 +51,31 @@ def test_no_energy_counter_gives_no_energy_figures(benchmark, tmp_path, monkeypa
     monkeypatch.setattr(benchmark, "_gpu_energy_mj", lambda: None)
     row = benchmark._timed(lambda n: None, 1, 1)
     assert not any(k in row for k in ("joules_per_step", "power_w_mean", "energy_j"))
+
+
+def test_energy_per_call_divides_the_counter_by_the_kernels_run(benchmark, tmp_path, monkeypatch):
+    """`krea2-energy`'s loop: energy and time a kernel over all the calls timed, `kernels_per_call` a call."""
+    import jax
+    import jax.numpy as jnp
+
+    monkeypatch.setenv("PATH", str(tmp_path))
+    readings = iter([5_000, 5_000 + 4_000])  # millijoules around the timed loop
+    monkeypatch.setattr(benchmark, "_gpu_energy_mj", lambda: next(readings))
+    fn = jax.jit(lambda x: [x + 1.0, x * 2.0])
+    row = benchmark._energy_per_call(fn, jnp.ones(8), seconds=0.05, kernels_per_call=2)
+    assert row["kernels"] >= 20 and row["kernels"] % 2 == 0
+    assert row["mj_per_kernel"] == pytest.approx(4_000 / row["kernels"])
+    assert row["power_w_mean"] > 0 and row["us_per_kernel"] > 0
+
+
+def test_krea2_energy_covers_the_step_linear_work(benchmark):
+    """The four products `krea2-energy` measures are the step's linear FLOPs (`_step_flops` less attention)."""
+    from mxdit.model.krea2 import Krea2Config
+
+    cfg = Krea2Config()
+    shapes = benchmark.krea2_gemm_shapes(cfg)
+    tokens = 4224
+    linear = sum(2 * tokens * k * n for k, n, _ in shapes.values())
+    attention = 4 * tokens * tokens * cfg.hidden_size
+    assert linear * cfg.num_layers == pytest.approx(benchmark._step_flops(cfg, 4096, 128) - attention * cfg.num_layers)
+    assert shapes["SwiGLU GEMM"] == (6144, 32768, "swiglu") and shapes["QKVG GEMM"] == (6144, 15360, "none")
