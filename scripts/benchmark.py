@@ -142,12 +142,17 @@ def _timed(run, iters: int, repeats: int, settle_s: float = 0.0) -> dict:
             run(iters)
             times.append((time.perf_counter() - t0) / iters)
     median = statistics.median(times)
-    gpu = clocks.summary()
-    if "energy_j" in gpu:  # energy a step, and the mean power it implies (the cap is 700 W on the H200)
-        gpu["joules_per_step"] = gpu.pop("energy_j") / (iters * repeats)
-        gpu["power_w_mean"] = gpu["joules_per_step"] * iters * repeats / sum(t * iters for t in times)
     return {"compile_s": compile_s, "s_per_step": median, "spread": (max(times) - min(times)) / median,
-            "repeats_s": times, **gpu}
+            "repeats_s": times, **_per_step(clocks.summary(), iters * repeats, sum(times) * iters)}
+
+
+def _per_step(gpu: dict, steps: int, seconds: float) -> dict:
+    """`_GpuClocks.summary()` with its energy as joules a step and the mean power over the timed steps (the cap is
+    700 W on the H200)."""
+    if "energy_j" in gpu:
+        energy = gpu.pop("energy_j")
+        gpu.update(joules_per_step=energy / steps, power_w_mean=energy / seconds)
+    return gpu
 
 
 def jax_krea2_step(args) -> list[dict]:
@@ -438,14 +443,16 @@ def _torch_time(fn, inputs: dict, args, name: str, flops: float, warmup: int = 3
                     fn(**inputs)
                 torch.cuda.synchronize()
             times = []
-            for _ in range(args.repeats):
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                for _ in range(args.iters):
-                    fn(**inputs)
-                end.record()
-                torch.cuda.synchronize()
-                times.append(start.elapsed_time(end) / 1e3 / args.iters)
+            with _GpuClocks() as clocks:
+                for _ in range(args.repeats):
+                    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    start.record()
+                    for _ in range(args.iters):
+                        fn(**inputs)
+                    end.record()
+                    torch.cuda.synchronize()
+                    times.append(start.elapsed_time(end) / 1e3 / args.iters)
+            row.update(_per_step(clocks.summary(), args.iters * args.repeats, sum(times) * args.iters))
         row["s_per_step"] = statistics.median(times)
         row["spread"] = (max(times) - min(times)) / row["s_per_step"]
         row["tflops"] = flops / row["s_per_step"] / 1e12
