@@ -413,8 +413,8 @@ def mosaic_shared_memory_bytes(config: MosaicConfig, out_itemsize: int, *, block
                                swiglu_width: int = 0, col_vectors: int = 1) -> int:
     """The shared memory `_mosaic_gemm` takes with `config`: the FP8 operand ring (and the scales travelling with
     it when block-scaled), the output's two staging slots a warpgroup, the epilogue's row vector and `col_vectors`
-    column vectors (weight scales, bias, gate); the barriers left out. (4224 x 16384 -> 2048, float32 out, 64 x 256 tiles: 281088 here, 281712 by Mosaic's count
-    on the H200, session 13.)"""
+    column vectors (weight scales, bias, gate); the barriers left out. (4224 x 16384 -> 2048, float32 out, 64 x 256
+    tiles: 281088 here, 281712 by Mosaic's count on the H200, session 13.)"""
     cta_m = config.compute_wgs * config.tile_m
     ring = config.max_concurrent_steps * (cta_m + config.tile_n) * (BLOCK_K + (4 if block_scaled else 0))
     epi_n = swiglu_width or min(config.epi_tile_n, config.tile_n)
@@ -447,11 +447,10 @@ def _mosaic_gemm(x, x_scale, w_data, w_scale, bias, residual, gate, *, x_blocks,
     tm, tn, tk = config.tile_m, config.tile_n, BLOCK_K
     wgs = config.compute_wgs
     cta_m = wgs * tm
-    if m % cta_m or n % tn or k % tk:
-        raise ValueError(f"mosaic gemm: ({m}, {k}) x ({n}, {k}) must be multiples of ({cta_m}, {tk}) x ({tn}, {tk})")
     cluster_n = config.cluster_n
-    if n % (tn * cluster_n):
-        raise ValueError(f"mosaic gemm: n = {n} must be a multiple of tile_n * cluster_n = {tn * cluster_n}")
+    if m % cta_m or n % (tn * cluster_n) or k % tk:
+        raise ValueError(f"mosaic gemm: ({m}, {k}) x ({n}, {k}) must be multiples of ({cta_m}, {tk}) x "
+                         f"({tn} * cluster_n {cluster_n}, {tk})")
     if interpret and cluster_n > 1:  # it would hand each CTA only its share of x's tile
         raise ValueError("mosaic gemm: interpret mode does not model TMA multicast; use cluster_n=1")
     m_iters, n_iters, k_iters = m // cta_m, n // tn, k // tk

@@ -185,15 +185,21 @@ def test_swiglu_weight_is_only_taken_by_the_swiglu_epilogue():
         gemm.swiglu_weight(*mx)
 
 
-@pytest.mark.parametrize("fmt, scaling, epilogue, m", [
-    ("fp8_e4m3", "token", "none", 4224),  # 64 x 256 tiles, 128-wide output slices
-    ("fp8_e4m3", "token", "residual", 4224),  # the residual prefetched
-    ("fp8_e4m3", "token", "swiglu", 4224),
-    ("fp8_e4m3", "block", "swiglu", 4224),  # three warpgroups promoting, then SwiGLU
-    ("mxfp4_e2m1", "token", "none", 4224),
-    ("fp8_e4m3", "token", "gelu", 4608),  # 128 x 128 tiles
+@pytest.mark.parametrize("fmt, scaling, epilogue, m, cluster_n", [
+    ("fp8_e4m3", "token", "none", 4224, 1),  # 64 x 256 tiles, 128-wide output slices
+    ("fp8_e4m3", "token", "residual", 4224, 1),  # the residual prefetched
+    ("fp8_e4m3", "token", "swiglu", 4224, 1),
+    ("fp8_e4m3", "block", "swiglu", 4224, 1),  # three warpgroups promoting, then SwiGLU
+    ("mxfp4_e2m1", "token", "none", 4224, 1),
+    ("fp8_e4m3", "token", "gelu", 4608, 1),  # 128 x 128 tiles
+    # two CTAs a cluster along N sharing x's tile by TMA multicast, which the interpreter does not model (the GPU
+    # compared the outputs with cluster_n=1's: NOTES.md, session 14)
+    ("fp8_e4m3", "token", "none", 4224, 2),
+    ("fp8_e4m3", "token", "swiglu", 4224, 2),
+    ("fp8_e4m3", "token", "residual", 4224, 2),
+    ("fp8_e4m3", "block", "none", 4224, 2),
 ])
-def test_mosaic_kernel_lowers_for_the_gpu(monkeypatch, fmt, scaling, epilogue, m):
+def test_mosaic_kernel_lowers_for_the_gpu(monkeypatch, fmt, scaling, epilogue, m, cluster_n):
     """Mosaic GPU's own lowering (layouts, wgmma operands, TMA slices) runs in Python, so the CPU can check that the
     default configurations and epilogues lower, beyond what the interpreter runs. Not checked: ptxas, and speed."""
     monkeypatch.setattr(gemm, "_num_sms", lambda: 132)  # an H200's
@@ -205,43 +211,31 @@ def test_mosaic_kernel_lowers_for_the_gpu(monkeypatch, fmt, scaling, epilogue, m
         weight = gemm.prepare_weight(w, fmt)
     extra = {"residual": jnp.zeros((m, n), jnp.bfloat16), "gate": jnp.ones((n,))} if epilogue == "residual" else {}
     activation = {"swiglu": "swiglu", "gelu": "gelu_tanh"}.get(epilogue, "none")
+    config = None
+    if cluster_n > 1:
+        config = dataclasses.replace(gemm.default_mosaic_config(m, n, k, scaling == "block", epilogue == "residual"),
+                                     cluster_n=cluster_n)
+        assert n % (config.tile_n * cluster_n) == 0  # two column tiles a cluster, not padded
 
     def product(x):
-        return gemm.scaled_matmul(x, weight, x_scaling=scaling, activation=activation, backend="mosaic", **extra)
+        return gemm.scaled_matmul(x, weight, x_scaling=scaling, activation=activation, backend="mosaic",
+                                  config=config, **extra)
 
     lowered = jax.jit(product).trace(jax.ShapeDtypeStruct((m, k), jnp.bfloat16)).lower(lowering_platforms=("cuda",))
-    assert "mosaic_gpu" in lowered.as_text()
+    text = lowered.as_text()
+    assert "mosaic_gpu" in text
+    assert ("cluster_block_id" in text) == (cluster_n > 1)  # the kernel indexes its CTA within the cluster
 
 
-@pytest.mark.parametrize("epilogue,scaling", [("none", "token"), ("swiglu", "token"), ("residual", "token"),
-                                              ("none", "block")])
-def test_mosaic_kernel_with_clusters_lowers_for_the_gpu(monkeypatch, epilogue, scaling):
-    """Two CTAs a cluster along N share x's tile by TMA multicast. The interpreter does not model multicast, so the
-    CPU checks the lowering (the GPU compares the output with `cluster_n=1`'s: NOTES.md, session 14)."""
-    monkeypatch.setattr(gemm, "_num_sms", lambda: 132)
-    m, k, n = 4224, 256, 1024
-    w = jax.random.normal(jax.random.key(0), (n, k), jnp.float32) * k**-0.5
-    if epilogue == "swiglu":
-        weight = gemm.swiglu_weight(*(gemm.prepare_weight(half, "fp8_e4m3") for half in (w[: n // 2], w[n // 2:])))
-    else:
-        weight = gemm.prepare_weight(w, "fp8_e4m3")
-    extra = {"residual": jnp.zeros((m, n), jnp.bfloat16), "gate": jnp.ones((n,))} if epilogue == "residual" else {}
-    base = gemm.default_mosaic_config(m, n, k, scaling == "block", residual=epilogue == "residual")
-    config = dataclasses.replace(base, cluster_n=2)
-
-    def product(x):
-        return gemm.scaled_matmul(x, weight, x_scaling=scaling, activation="swiglu" if epilogue == "swiglu" else "none",
-                                  backend="mosaic", config=config, **extra)
-
-    lowered = jax.jit(product).trace(jax.ShapeDtypeStruct((m, k), jnp.bfloat16)).lower(lowering_platforms=("cuda",))
-    assert "mosaic_gpu" in lowered.as_text()
-    xq, xs = gemm.quantize_activations(jnp.ones((m, k)), scaling)
-    with pytest.raises(ValueError, match="cluster_n"):
-        gemm._mosaic_gemm(xq, xs, weight.data[: n - base.tile_n], weight.scale, None, None, None, x_blocks=False,
-                          w_blocks=False, activation="none", out_dtype=jnp.bfloat16, config=config)
+def test_mosaic_clusters_need_whole_cluster_tiles_and_no_interpreter():
+    config = gemm.MosaicConfig(64, 256, 3, compute_wgs=2, cluster_n=2)
+    w = gemm.prepare_weight(jax.random.normal(jax.random.key(0), (768, 256), jnp.float32) * 256**-0.5, "fp8_e4m3")
+    xq, xs = gemm.quantize_activations(jnp.ones((128, 256)))
+    kw = dict(x_blocks=False, w_blocks=False, activation="none", out_dtype=jnp.bfloat16, config=config)
+    with pytest.raises(ValueError, match="cluster_n"):  # 768 columns: three 256-wide tiles, no whole pair
+        gemm._mosaic_gemm(xq, xs, w.data, w.scale, None, None, None, **kw)
     with pytest.raises(ValueError, match="multicast"):
-        gemm._mosaic_gemm(xq, xs, weight.data, weight.scale, None, None, None, x_blocks=False, w_blocks=False,
-                          activation="none", out_dtype=jnp.bfloat16, config=config, interpret=True)
+        gemm._mosaic_gemm(xq, xs, w.data[:512], w.scale[:512], None, None, None, interpret=True, **kw)
 
 
 def test_fast_activation_quantizer_gives_the_bits_of_quant_formats():
