@@ -886,30 +886,26 @@ def _cupti_seconds(fn, *inputs, iterations: int, by_kernel: bool = False):
 
 
 def _energy_per_call(fn, *args, seconds: float = 2.5, kernels_per_call: int = 1) -> dict:
-    """Energy and time a kernel at the power cap: `fn(*args)` dispatched back to back for ~`seconds` (after a quarter
-    of that untimed, to reach the cap), the GPU's energy counter read around (NVML). `kernels_per_call`: the kernels
-    one call runs (short kernels go several a dispatch, on distinct inputs, so the host keeps up)."""
+    """Energy and time a kernel at the power cap: `fn(*args)` dispatched back to back for ~`seconds` after a quarter
+    of that untimed (`_timed`, the calls as its steps). `kernels_per_call`: the kernels one call runs (short kernels
+    go several a dispatch, on distinct inputs, so the host keeps up)."""
     import jax
 
-    jax.block_until_ready(fn(*args))
-    t0 = time.perf_counter()
-    for _ in range(5):
-        out = fn(*args)
-    jax.block_until_ready(out)
-    calls = max(int(seconds / ((time.perf_counter() - t0) / 5)), 10)
-    for _ in range(calls // 4):
-        out = fn(*args)
-    jax.block_until_ready(out)
-    with _GpuClocks() as clocks:
-        t0 = time.perf_counter()
-        for _ in range(calls):
+    def run(n):
+        for _ in range(n):
             out = fn(*args)
         jax.block_until_ready(out)
-        elapsed = time.perf_counter() - t0
-    gpu, n = clocks.summary(), calls * kernels_per_call
-    row = {"kernels": n, "us_per_kernel": elapsed / n * 1e6, "sm_mhz_median": gpu.get("sm_mhz_median")}
-    if "energy_j" in gpu:
-        row.update(mj_per_kernel=gpu["energy_j"] / n * 1e3, power_w_mean=gpu["energy_j"] / elapsed)
+
+    run(1)  # compiled
+    t0 = time.perf_counter()
+    run(5)
+    calls = max(int(seconds / ((time.perf_counter() - t0) / 5)), 10)
+    timed = _timed(run, calls, 1, settle_s=seconds / 4)
+    row = {"kernels": calls * kernels_per_call, "us_per_kernel": timed["s_per_step"] / kernels_per_call * 1e6,
+           "sm_mhz_median": timed.get("sm_mhz_median")}
+    if "joules_per_step" in timed:
+        row.update(mj_per_kernel=timed["joules_per_step"] / kernels_per_call * 1e3,
+                   power_w_mean=timed["power_w_mean"])
     return row
 
 
@@ -976,8 +972,9 @@ def krea2_energy(args) -> None:
     h, hk, dh = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.attention_head_dim
     stacked = jax.random.normal(next(keys), (1, m, (2 * h + 2 * hk) * dh), jnp.bfloat16)
     norm_q, norm_k = (0.1 * jax.random.normal(next(keys), (dh,), jnp.float32) for _ in range(2))
-    angles = jnp.arange(m)[:, None] * (1.0 / 10000 ** (jnp.arange(0, dh, 2) / dh))
-    rotary = (jnp.repeat(jnp.cos(angles), 2, -1), jnp.repeat(jnp.sin(angles), 2, -1))
+    positions = _krea2_inputs(cfg, args.height, args.width, args.text_len, args.valid_text)[3]  # text, then image
+    rotary = layers.rotary_tables(jnp.asarray(np.roll(positions, -args.text_len, axis=0)), cfg.axes_dims_rope,
+                                  cfg.rope_theta)  # the model's order: image, then text (its padding last)
     lengths = jnp.array([m - (args.text_len - args.valid_text)], jnp.int32)
     attend = jax.jit(lambda qkv: layers.int8_attention_from_stacked(qkv, h, hk, norm_q, norm_k, cfg.norm_eps, rotary,
                                                                     lengths, implementation=args.attention))
