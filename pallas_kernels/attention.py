@@ -86,11 +86,16 @@ def _v_fp8_scale_and_mean(v: jax.Array, kv_lengths, smooth: bool) -> tuple[jax.A
     dim). One XLA reduction (max, min and sum): max |v - mean| = max(max v - mean, mean - min v)."""
     valid = _valid_keys(kv_lengths, v.shape[0], v.shape[1])[:, :, None, None]
     v32 = v.astype(jnp.float32)
-    hi = jnp.max(jnp.where(valid, v32, -jnp.inf), axis=1)
-    lo = jnp.min(jnp.where(valid, v32, jnp.inf), axis=1)
+    v_range = (jnp.max(jnp.where(valid, v32, -jnp.inf), axis=1), jnp.min(jnp.where(valid, v32, jnp.inf), axis=1),
+               jnp.sum(jnp.where(valid, v32, 0.0), axis=1))
+    return _v_fp8_scale_and_mean_of_range(*v_range, _key_lengths(kv_lengths, v.shape[0], v.shape[1]), smooth)
+
+
+def _v_fp8_scale_and_mean_of_range(hi, lo, total, lengths, smooth: bool) -> tuple[jax.Array, jax.Array]:
+    """`_v_fp8_scale_and_mean` from V's range over the valid keys: their max, min and sum (batch, kv_heads, dim)
+    each, and the (batch,) numbers of valid keys."""
     if smooth:
-        lengths = _key_lengths(kv_lengths, v.shape[0], v.shape[1])
-        mean = jnp.sum(jnp.where(valid, v32, 0.0), axis=1) / jnp.maximum(lengths, 1).astype(jnp.float32)[:, None, None]
+        mean = total / jnp.maximum(lengths, 1).astype(jnp.float32)[:, None, None]
     else:
         mean = jnp.zeros_like(hi)
     amax = jnp.maximum(hi - mean, mean - lo)  # -inf without valid keys
@@ -338,7 +343,8 @@ def _pv_key_order(keys: int) -> np.ndarray:
 
 
 def v_fp8_operand(v: jax.Array, block: int, *, permute_keys: bool, kv_lengths: jax.Array | None = None,
-                  interpret: bool = False, smooth: bool = False) -> tuple[jax.Array, jax.Array, jax.Array]:
+                  interpret: bool = False, smooth: bool = False,
+                  scale_and_mean: tuple[jax.Array, jax.Array] | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
     """V as the kernels' FP8 P.V takes it, in one Triton pass: V (batch, kv_len, kv_heads, dim) in a float dtype
     (read as it is: the keys past `kv_lengths` are zeroed in the pass, and their values do not enter the scales)
     divided by its channel scales (`_v_fp8_scale_and_mean`) and rounded to E4M3, out as V^T (batch, kv_heads, dim,
@@ -347,13 +353,15 @@ def v_fp8_operand(v: jax.Array, block: int, *, permute_keys: bool, kv_lengths: j
     4 * c + 2 * hi + lo). `smooth`: V's channel means over the valid keys are subtracted first (zero means
     otherwise), and the scales are those of V so centred. Returns (V^T, the scales, the means (batch, kv_heads,
     dim)). XLA's transpose (and gather) for this took 47-69 us a block in the step (session 10's profiles): 8-bit
-    transposes with the permutation inside. Each program transposes a (block, dim) tile in registers."""
+    transposes with the permutation inside. Each program transposes a (block, dim) tile in registers.
+    `scale_and_mean`: the scales and means as `_v_fp8_scale_and_mean` gives them for `smooth`, computed before (by
+    the K prologue's sums pass, `_rms_rope_quantize(values=...)`); else an XLA reduction here makes them."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import triton as pltriton
 
     if block % 16:
         raise ValueError(f"v_fp8_operand: block {block} must be a multiple of 16")
-    v_scale, mean = _v_fp8_scale_and_mean(v, kv_lengths, smooth)  # an XLA reduction: nothing written
+    v_scale, mean = _v_fp8_scale_and_mean(v, kv_lengths, smooth) if scale_and_mean is None else scale_and_mean
     lengths = _key_lengths(kv_lengths, v.shape[0], v.shape[1])
     pad = (-v.shape[1]) % block
     if pad:  # zero keys (past the lengths): a copy, where a sequence is no multiple of the block
@@ -540,7 +548,7 @@ def compute_registers(compute_wgs: int, memory_registers: int = 40) -> int:
 def _int8_attention_mosaic(qi, qs, ki, ks, v, kv_lengths, *, pv, block_k, num_stages, p_in_smem=None,
                            pv_accumulation="two_level", interpret=False, lower_only=False, out_dtype=jnp.float32,
                            q_prologue: MosaicQPrologue | None = None, row_sums: str | None = None,
-                           smooth_v: bool | None = None):
+                           smooth_v: bool | None = None, v_range: tuple | None = None):
     """The Mosaic GPU kernel on quantized Q (per 64 rows) and K (per `block_k` keys), (batch, seq, heads, dim) int8
     with scales (batch, seq blocks, heads), and V (batch, kv_len, kv_heads, dim) in a float dtype (the keys past
     `kv_lengths` are zeroed here). Returns `out_dtype` (batch, q_len, heads, dim).
@@ -583,6 +591,9 @@ def _int8_attention_mosaic(qi, qs, ki, ks, v, kv_lengths, *, pv, block_k, num_st
     its FP8 rounding and added to the output after (rows of the softmax sum to one), as SageAttention2 does: the
     FP8 wgmma's truncating accumulator biases a long sum of same-signed terms (see `row_sums`), which a channel's
     mean makes of P.V accumulated in place.
+
+    `v_range` (FP8 P.V): V's (max, min, sum) over the valid keys (batch, kv_heads, dim) each, computed before (K's
+    sums pass reads them, `_qk_prologue(values=...)`), from which V's scales and means come; None: from V here.
 
     `lower_only`: return the lowered (cuda) computation instead of running it; CPU tests use it to check that the
     real Mosaic lowering accepts every variant.
@@ -645,8 +656,9 @@ def _int8_attention_mosaic(qi, qs, ki, ks, v, kv_lengths, *, pv, block_k, num_st
         def v_operand(v):
             """(V^T (batch, kv_heads, dim, keys) in E4M3, its channel scales and means (batch, kv_heads, 2, dim));
             P's registers read as the 8-bit operand layout order the keys so (`_p_as_8bit_operand`)."""
+            scale_and_mean = None if v_range is None else _v_fp8_scale_and_mean_of_range(*v_range, lengths, smooth_v)
             vt, scale, mean = v_fp8_operand(v, block_k, permute_keys=not p_in_smem, kv_lengths=kv_lengths,
-                                            interpret=interpret, smooth=smooth_v)
+                                            interpret=interpret, smooth=smooth_v, scale_and_mean=scale_and_mean)
             return vt, jnp.stack([scale, mean], axis=2)
 
         v_block, v_transforms, p_dtype = (d, block_k), _mosaic_transforms(1, block_k), jnp.float8_e4m3fn
@@ -974,10 +986,12 @@ PROLOGUE_HEADS = (4, 1)
 
 def _qk_prologue(q_src, q_heads, k_src, k_heads, norm_q, norm_k, eps, cos, sin, kv_lengths, *, scale, block_q,
                  block_k, smooth_k, interpret, heads_per_program: int | None = None, num_warps: int | None = None,
-                 split_pairs: bool = False, k_only: bool = False):
+                 split_pairs: bool = False, k_only: bool = False, values=None):
     """The prologue on heads [first, first + count) of `q_src` and `k_src` (`q_heads`, `k_heads`);
     `heads_per_program` and `num_warps` for both passes (None: `PROLOGUE_HEADS`, `PROLOGUE_WARPS`). `k_only`: no
-    Q pass (qi, qs None), and K in the natural channel order (for the Mosaic kernel that makes Q itself)."""
+    Q pass (qi, qs None), and K in the natural channel order (for the Mosaic kernel that makes Q itself).
+    `values` (V's source, (first, count) of its heads; with `smooth_k`): K's sums pass also takes V's range over the
+    valid keys, returned fifth as (max, min, sum) (batch, kv_heads, head_dim) each."""
     b, s, _, d = q_src.shape
     (_, h), (_, hk) = q_heads, k_heads
     cos = jnp.broadcast_to(cos, (b, s, d)).astype(jnp.float32)[..., 0::2]  # pairs share a frequency: half the table
@@ -988,9 +1002,15 @@ def _qk_prologue(q_src, q_heads, k_src, k_heads, norm_q, norm_k, eps, cos, sin, 
     q_group, k_group = PROLOGUE_HEADS if heads_per_program is None else (heads_per_program, heads_per_program)
     kernel = functools.partial(_rms_rope_quantize, split_pairs=split_pairs)
     k_mean = jnp.zeros((b, hk, d), jnp.float32)  # in `_deinterleave`'s channel order, as the kernel writes K
+    if values is not None and (not smooth_k or values[1][1] != hk):
+        raise ValueError(f"_qk_prologue: V's range comes with K smoothing's sums, for as many heads as K ({hk})")
     if smooth_k:  # the normed, rotated K summed over the valid keys of each block by a pass of the same kernel
         sums = kernel(k_src, norm_k, eps, cos, sin, None, lengths, 1.0, block_k, interpret, heads=k_heads,
-                      num_warps=k_warps, heads_per_program=k_group, block_sums=True)
+                      num_warps=k_warps, heads_per_program=k_group, block_sums=True,
+                      values=None if values is None else (values[0], values[1][0]))
+        if values is not None:
+            sums, v_range = sums
+            v_range = (v_range[:, :, :, 0].max(axis=1), v_range[:, :, :, 1].min(axis=1), v_range[:, :, :, 2].sum(axis=1))
         k_mean = jnp.sum(sums, axis=1) / jnp.maximum(valid.sum(axis=1), 1)[:, None, None]
     qi = qs = None
     if not k_only:
@@ -999,7 +1019,7 @@ def _qk_prologue(q_src, q_heads, k_src, k_heads, norm_q, norm_k, eps, cos, sin, 
                         num_warps=q_warps, heads_per_program=q_group)
     ki, ks = kernel(k_src, norm_k, eps, cos, sin, k_mean, lengths, 1.0, block_k, interpret,
                     heads=k_heads, num_warps=k_warps, heads_per_program=k_group, natural_order=k_only)
-    return qi, qs, ki, ks
+    return (qi, qs, ki, ks) if values is None else (qi, qs, ki, ks, v_range)
 
 
 def _round_half_even(x: jax.Array) -> jax.Array:
@@ -1012,7 +1032,8 @@ def _round_half_even(x: jax.Array) -> jax.Array:
 
 def _rms_rope_quantize(x, weight, eps, cos_half, sin_half, mean, lengths, multiplier, block, interpret,
                        num_warps: int = 8, heads: tuple[int, int] | None = None, heads_per_program: int = 1,
-                       split_pairs: bool = False, block_sums: bool = False, natural_order: bool = False):
+                       split_pairs: bool = False, block_sums: bool = False, natural_order: bool = False,
+                       values: tuple[jax.Array, int] | None = None):
     """The kernel: a program per (batch, block of `block` tokens, group of `heads_per_program` heads; fewer when the
     heads or their first one are no multiple of it). 8 warps: half the registers a thread holds of the (block,
     head_dim) tile, twice the occupancy: 270 vs 549 us for Krea 2's Q at 4224 tokens (NOTES.md). A group's heads are
@@ -1026,17 +1047,26 @@ def _rms_rope_quantize(x, weight, eps, cos_half, sin_half, mean, lengths, multip
     normed and rotated values summed over each block's valid tokens, (batch, blocks, heads, head_dim) float32 in
     `_deinterleave`'s order (K smoothing's mean; `mean` and `multiplier` are not used). `natural_order`: the
     INT8 values in the input's channel order (the Mosaic kernel's order when it makes Q itself), not
-    `_deinterleave`'s; `mean` stays in the latter."""
+    `_deinterleave`'s; `mean` stays in the latter. `values` (block_sums only): (V's source, its first head), V's
+    heads as many as x's and read in place; the same programs also give V's range over each block's valid tokens,
+    (batch, blocks, heads, 3, head_dim) float32 max, min and sum, returned after the sums (FP8 P.V's scales and
+    means, `_v_fp8_scale_and_mean_of_range`: an XLA reduction over V took 19 us a call at Krea 2's size, session 15's
+    profile, where these programs read V in a few)."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import triton as pltriton
 
     b, s, _, d = x.shape
     first, h = heads if heads is not None else (0, x.shape[2])
-    # a power of two (Triton's block shapes) dividing the heads and their first one
-    group = max(g for g in (1, 2, 4, 8, 16) if g <= heads_per_program and h % g == 0 and first % g == 0)
+    if values is not None and not block_sums:
+        raise ValueError("_rms_rope_quantize: V's range (values) comes with block_sums")
+    v_src, v_first = values if values is not None else (None, 0)
+    # a power of two (Triton's block shapes) dividing the heads and their first ones
+    group = max(g for g in (1, 2, 4, 8, 16)
+                if g <= heads_per_program and h % g == 0 and first % g == 0 and v_first % g == 0)
     half = d // 2
     pad = (-s) % block
     if pad:  # zero rows: they contribute nothing to a block's amax
+        v_src = None if v_src is None else x if v_src is x else jnp.pad(v_src, ((0, 0), (0, pad), (0, 0), (0, 0)))
         x = jnp.pad(x, ((0, 0), (0, pad), (0, 0), (0, 0)))
         cos_half = jnp.pad(cos_half, ((0, 0), (0, pad), (0, 0)))
         sin_half = jnp.pad(sin_half, ((0, 0), (0, pad), (0, 0)))
@@ -1086,12 +1116,22 @@ def _rms_rope_quantize(x, weight, eps, cos_half, sin_half, mean, lengths, multip
                     q_ref[:, one, pl.ds(start, half)] = q.reshape(block, 1, half)
             scale_ref[one] = step.reshape(1)
 
-    def sums_kernel(lengths_ref, x_ref, c_ref, s_ref, we_ref, wo_ref, sum_ref):
+    def sums_kernel(lengths_ref, x_ref, c_ref, s_ref, we_ref, wo_ref, *refs):
+        v_ref, sum_ref, range_ref = refs if v_src is not None else (None, *refs, None)
         c, sn, keep = tables_and_mask(lengths_ref, c_ref, s_ref)
         for head in range(group):
+            one = pl.ds(head, 1)
             real, imag = rotated(x_ref, c, sn, we_ref, wo_ref, head)
             for start, v in ((0, real), (half, imag)):
-                sum_ref[pl.ds(head, 1), pl.ds(start, half)] = jnp.sum(jnp.where(keep, v, 0.0), axis=0)[None]
+                sum_ref[one, pl.ds(start, half)] = jnp.sum(jnp.where(keep, v, 0.0), axis=0)[None]
+            if v_ref is not None:
+                v = v_ref[:, one, :].reshape(block, d).astype(jnp.float32)
+                rows = pl.program_id(1) * block + jax.lax.broadcasted_iota(jnp.int32, v.shape, 0)
+                valid = rows < lengths_ref[pl.program_id(0)]
+                for i, part in enumerate((jnp.max(jnp.where(valid, v, -jnp.inf), axis=0),
+                                          jnp.min(jnp.where(valid, v, jnp.inf), axis=0),
+                                          jnp.sum(jnp.where(valid, v, 0.0), axis=0))):
+                    range_ref[one, pl.ds(i, 1), :] = part.reshape(1, 1, d)
 
     in_specs = [
         pl.no_block_spec,
@@ -1104,11 +1144,17 @@ def _rms_rope_quantize(x, weight, eps, cos_half, sin_half, mean, lengths, multip
     common = dict(grid=(b, n_blocks, h // group), interpret=interpret,
                   compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=2))
     if block_sums:
-        return pl.pallas_call(
-            sums_kernel, in_specs=in_specs, name="rms_rope_sums",
-            out_specs=pl.BlockSpec((None, None, group, d), lambda bi, si, hi: (bi, si, hi, 0)),
-            out_shape=jax.ShapeDtypeStruct((b, n_blocks, h, d), jnp.float32), **common,
-        )(lengths, x, cos_half, sin_half, w_even, w_odd)
+        out_specs = [pl.BlockSpec((None, None, group, d), lambda bi, si, hi: (bi, si, hi, 0))]
+        out_shape = [jax.ShapeDtypeStruct((b, n_blocks, h, d), jnp.float32)]
+        inputs = [lengths, x, cos_half, sin_half, w_even, w_odd]
+        if v_src is not None:
+            in_specs.append(pl.BlockSpec((None, block, group, d), lambda bi, si, hi: (bi, si, hi + v_first // group, 0)))
+            inputs.append(v_src)
+            out_specs.append(pl.BlockSpec((None, None, group, 3, d), lambda bi, si, hi: (bi, si, hi, 0, 0)))
+            out_shape.append(jax.ShapeDtypeStruct((b, n_blocks, h, 3, d), jnp.float32))
+        outs = pl.pallas_call(sums_kernel, in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
+                              name="rms_rope_sums" if v_src is None else "rms_rope_sums_v_range", **common)(*inputs)
+        return outs[0] if v_src is None else tuple(outs)
     qi, qs = pl.pallas_call(
         kernel,
         in_specs=in_specs + [pl.BlockSpec((None, group, half), lambda bi, si, hi: (bi, hi, 0)),
@@ -1135,7 +1181,7 @@ def int8_attention_fused(q, k, v, norm_q, norm_k, eps: float, cos, sin, *, kv_le
     _, scale = _heads_and_scale(q, k, scale)
     _check_pv(pv)
     if backend == "mosaic" and _q_in_kernel(q.dtype, out_dtype):
-        return _mosaic_with_q_in_kernel(q, q.shape[2], k, (0, k.shape[2]), v, norm_q, norm_k, eps, cos, sin,
+        return _mosaic_with_q_in_kernel(q, q.shape[2], k, (0, k.shape[2]), v, 0, norm_q, norm_k, eps, cos, sin,
                                         kv_lengths, scale=scale, pv=pv, block_q=block_q, block_k=block_k,
                                         interpret=interpret, num_stages=num_stages, out_dtype=out_dtype,
                                         pv_accumulation=pv_accumulation)
@@ -1170,7 +1216,8 @@ def int8_attention_fused_stacked(qkv, num_heads: int, num_kv_heads: int, norm_q,
                                     pv_accumulation=pv_accumulation)
     v = x[:, :, num_heads + num_kv_heads:num_heads + 2 * num_kv_heads]
     if backend == "mosaic" and _q_in_kernel(x.dtype, out_dtype):
-        return _mosaic_with_q_in_kernel(x, num_heads, x, (num_heads, num_kv_heads), v, norm_q, norm_k, eps, cos, sin,
+        return _mosaic_with_q_in_kernel(x, num_heads, x, (num_heads, num_kv_heads), x, num_heads + num_kv_heads,
+                                        norm_q, norm_k, eps, cos, sin,
                                         kv_lengths, scale=scale, pv=pv, block_q=block_q, block_k=block_k,
                                         interpret=interpret, num_stages=num_stages, out_dtype=out_dtype,
                                         pv_accumulation=pv_accumulation)
@@ -1188,6 +1235,10 @@ MOSAIC_ROW_SUMS = "wgmma"
 # The Mosaic kernel's FP8 P.V subtracts V's channel means and adds them back (`_int8_attention_mosaic`'s `smooth_v`).
 MOSAIC_SMOOTH_V = True
 
+# With FP8 P.V, the fused Mosaic attention's K sums pass also takes V's range (`_rms_rope_quantize(values=...)`)
+# rather than an XLA reduction over V (19 us a call at Krea 2's size, session 15); False restores the reduction.
+MOSAIC_V_RANGE_IN_K_SUMS = True
+
 # The Mosaic backend of the fused attention makes INT8 Q in the kernel (`_int8_attention_mosaic`'s `q_prologue`)
 # rather than in the Q prologue's pass; False restores the pass (benchmarks compare the two).
 MOSAIC_Q_IN_KERNEL = True
@@ -1199,19 +1250,26 @@ def _q_in_kernel(q_dtype, out_dtype) -> bool:
     return MOSAIC_Q_IN_KERNEL and jnp.dtype(q_dtype) == jnp.dtype(out_dtype)
 
 
-def _mosaic_with_q_in_kernel(q_src, num_heads, k_src, k_heads, v, norm_q, norm_k, eps, cos, sin, kv_lengths, *,
-                             scale, pv, block_q, block_k, interpret, num_stages, out_dtype, pv_accumulation):
-    """The fused attention on the Mosaic kernel with Q's prologue inside it: K's prologue pass (natural channel
-    order) and the kernel, which reads Q's first `num_heads` heads of `q_src` in place."""
+def _mosaic_with_q_in_kernel(q_src, num_heads, k_src, k_heads, v_src, v_first, norm_q, norm_k, eps, cos, sin,
+                             kv_lengths, *, scale, pv, block_q, block_k, interpret, num_stages, out_dtype,
+                             pv_accumulation):
+    """The fused attention on the Mosaic kernel with Q's prologue inside it: K's prologue passes (natural channel
+    order) and the kernel, which reads Q's first `num_heads` heads of `q_src` in place. V: the heads of `v_src`
+    from `v_first` on, as many as K's; with FP8 P.V, K's sums pass reads their range in place
+    (`MOSAIC_V_RANGE_IN_K_SUMS`)."""
     if block_q != MOSAIC_ROWS:
         raise ValueError(f"the mosaic backend quantizes Q per row in blocks of {MOSAIC_ROWS} (one warpgroup): "
                          f"block_q must be {MOSAIC_ROWS}, got {block_q}")
-    _, _, ki, ks = _qk_prologue(q_src, (0, num_heads), k_src, k_heads, norm_q, norm_k, eps, cos, sin, kv_lengths,
-                                scale=scale, block_q=block_q, block_k=block_k, smooth_k=True, interpret=interpret,
-                                k_only=True)
+    hk = k_heads[1]
+    v = v_src[:, :, v_first:v_first + hk]
+    values = (v_src, (v_first, hk)) if pv == "fp8" and MOSAIC_V_RANGE_IN_K_SUMS else None
+    _, _, ki, ks, *v_range = _qk_prologue(q_src, (0, num_heads), k_src, k_heads, norm_q, norm_k, eps, cos, sin,
+                                          kv_lengths, scale=scale, block_q=block_q, block_k=block_k, smooth_k=True,
+                                          interpret=interpret, k_only=True, values=values)
     return _int8_attention_mosaic(q_src, None, ki, ks, v, kv_lengths, pv=pv, block_k=block_k, num_stages=num_stages,
                                   interpret=interpret, out_dtype=out_dtype, pv_accumulation=pv_accumulation,
-                                  q_prologue=MosaicQPrologue(norm_q, eps, cos, sin, scale, num_heads))
+                                  q_prologue=MosaicQPrologue(norm_q, eps, cos, sin, scale, num_heads),
+                                  v_range=v_range[0] if v_range else None)
 
 
 def _fused_attention(qi, qs, ki, ks, v, kv_lengths, **options):

@@ -536,6 +536,64 @@ def test_prologue_block_sums_are_the_normed_rotated_keys_summed_over_valid_keys(
     np.testing.assert_allclose(np.asarray(sums), np.asarray(expected), rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.parametrize("heads_per_program", [1, 2])
+def test_prologue_block_sums_read_v_range_in_place(heads_per_program):
+    """The sums pass with `values`: V's heads read in place from a stacked source (after 2 other heads), each
+    block's max, min and sum of V over the valid keys (masked keys hold large values that must not count); the K
+    sums as without V. Combined over blocks, V's FP8 scales and means are the XLA reduction's."""
+    from mxdit.pallas_kernels import attention as A
+
+    _, k, v, (_, nk), cos, sin = _raw_projections(12, hk=4)
+    lengths = jnp.asarray([100, 61])
+    v = jnp.where((jnp.arange(100)[None, :] < lengths[:, None])[..., None, None], v, 1e4)
+    stacked = jnp.concatenate([jnp.zeros_like(k[:, :, :2]), k, v], axis=2)  # heads: 2 others, K (4), V (4)
+    tables = cos[..., 0::2][None].repeat(2, 0), sin[..., 0::2][None].repeat(2, 0)
+    options = dict(heads_per_program=heads_per_program, block_sums=True, heads=(2, 4))
+    plain = A._rms_rope_quantize(stacked, nk, 1e-6, *tables, None, lengths, 1.0, 64, True, **options)
+    sums, v_range = A._rms_rope_quantize(stacked, nk, 1e-6, *tables, None, lengths, 1.0, 64, True, **options,
+                                         values=(stacked, 6))
+    np.testing.assert_array_equal(np.asarray(sums), np.asarray(plain))
+    valid = (jnp.arange(128)[None, :] < lengths[:, None])[:, :, None, None]
+    blocks = jnp.pad(v, ((0, 0), (0, 28), (0, 0), (0, 0)))
+    expected = [jnp.where(valid, blocks, fill).reshape(2, 2, 64, 4, 64) for fill in (-jnp.inf, jnp.inf, 0.0)]
+    assert v_range.shape == (2, 2, 4, 3, 64)
+    np.testing.assert_array_equal(np.asarray(v_range[:, :, :, 0]), np.asarray(expected[0].max(axis=2)))
+    np.testing.assert_array_equal(np.asarray(v_range[:, :, :, 1]), np.asarray(expected[1].min(axis=2)))
+    np.testing.assert_allclose(np.asarray(v_range[:, :, :, 2]), np.asarray(expected[2].sum(axis=2)), rtol=1e-5,
+                               atol=1e-5)
+    combined = (v_range[:, :, :, 0].max(axis=1), v_range[:, :, :, 1].min(axis=1), v_range[:, :, :, 2].sum(axis=1))
+    for smooth in (False, True):
+        got = A._v_fp8_scale_and_mean_of_range(*combined, lengths, smooth)
+        want = A._v_fp8_scale_and_mean(v, lengths, smooth)
+        for a, b in zip(got, want):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="comes with block_sums"):
+        A._rms_rope_quantize(stacked, nk, 1e-6, *tables, jnp.zeros((2, 4, 64)), lengths, 1.0, 64, True, heads=(2, 4),
+                             values=(stacked, 6))
+
+
+def test_fused_mosaic_fp8_attention_takes_v_range_from_the_k_sums_pass(monkeypatch):
+    """FP8 P.V's V scales and means from K's sums pass (`MOSAIC_V_RANGE_IN_K_SUMS`) or from an XLA reduction over V:
+    the same attention but for sums taken in another order (a code may flip at an FP8 rounding boundary)."""
+    from mxdit.pallas_kernels import attention as A
+
+    q, k, v, (nq, nk), cos, sin = _raw_projections(13, s=128)
+    q, k, v = (x.astype(jnp.bfloat16) for x in (q, k, v))
+    v = v + jnp.arange(64, dtype=jnp.bfloat16) / 16  # channel means for the smoothing to take out
+    lengths = jnp.asarray([128, 61])
+    qkv = jnp.concatenate([x.reshape(2, 128, -1) for x in (q, k, v)], axis=-1)
+    options = dict(kv_lengths=lengths, pv="fp8", block_k=128, backend="mosaic", interpret=True,
+                   out_dtype=jnp.bfloat16)
+    outs = {}
+    for flag in (True, False):
+        monkeypatch.setattr(A, "MOSAIC_V_RANGE_IN_K_SUMS", flag)
+        outs[flag] = A.int8_attention_fused_stacked(qkv, 4, 2, nq, nk, 1e-6, cos, sin, **options).astype(jnp.float32)
+    assert relative_l1(outs[True], outs[False]) <= 1e-3  # measured: equal
+    truth = exact(A.rms_rope_reference(q, nq, 1e-6, cos, sin), A.rms_rope_reference(k, nk, 1e-6, cos, sin),
+                  v.astype(jnp.float32), lengths)
+    assert cosine(outs[True], truth) >= 0.999 and relative_l1(outs[True], truth) <= BOUNDS["fp8"]
+
+
 @pytest.mark.parametrize("pv", ["bf16", "fp8"])
 def test_fused_attention_matches_attention_of_normed_rotated_inputs(pv):
     from mxdit.pallas_kernels import attention as A

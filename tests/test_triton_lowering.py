@@ -54,12 +54,14 @@ def test_qk_prologue_lowers_with_heads_grouped(heads_per_program, split_pairs):
                   ((1,), jnp.int32))
 
 
-def test_k_prologue_in_natural_channel_order_lowers():
-    """The K pass alone, its pairs joined in registers (the Mosaic kernel makes Q itself)."""
+@pytest.mark.parametrize("v_range", [False, True])
+def test_k_prologue_in_natural_channel_order_lowers(v_range):
+    """The K pass alone, its pairs joined in registers (the Mosaic kernel makes Q itself); with `v_range`, its sums
+    pass also reads V's range in place (FP8 P.V)."""
     def prologue(x, norms, cos, sin, lengths):
         return attention._qk_prologue(x, (0, 48), x, (48, 12), norms[0], norms[1], 1e-6, cos, sin, lengths,
                                       scale=128**-0.5, block_q=64, block_k=128, smooth_k=True, interpret=False,
-                                      k_only=True)[2:]
+                                      k_only=True, values=(x, (60, 12)) if v_range else None)[2:]
 
     assert lowers(prologue, ((1, 256, 120, 128), BF16), ((2, 128), F32), ((256, 128), F32), ((256, 128), F32),
                   ((1,), jnp.int32))
