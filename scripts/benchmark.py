@@ -123,24 +123,26 @@ class _GpuClocks:
         return {"sm_mhz_median": statistics.median(mhz), "sm_mhz_min": min(mhz), "power_w_max": max(watts), **energy}
 
 
-def _timed(run, iters: int, repeats: int, settle_s: float = 0.0) -> dict:
-    """`run(n)` runs n steps and waits for them: the first call of one step (compilation included) as compile_s, then
+def _timed(run, iters: int, repeats: int, settle_s: float = 0.0, *, warmup: int = 1, seconds=None) -> dict:
+    """`run(n)` runs n steps and waits for them: the first `warmup` steps (compilation included) as compile_s, then
     the median seconds a step over `repeats` runs of `iters` steps, and their spread; with the GPU's clock and power
     over the timed runs (`_GpuClocks`). `settle_s`: seconds of untimed runs first. The H200's power cap acts with a
     lag: runs that start from an idle GPU (after a compilation) draw over 700 W for a while and come out up to ~6%
-    faster than the same steps sustained (NOTES.md, session 14)."""
-    t0 = time.perf_counter()
-    run(1)
-    compile_s = time.perf_counter() - t0
+    faster than the same steps sustained (NOTES.md, session 14). `seconds(n)`: runs n steps and returns how long
+    they took by another clock (CUDA events); by default the host's, around `run(n)`."""
+    def host_seconds(n):
+        t0 = time.perf_counter()
+        run(n)
+        return time.perf_counter() - t0
+
+    compile_s = host_seconds(warmup)
     t0 = time.perf_counter()
     while time.perf_counter() - t0 < settle_s:
         run(iters)
     times = []
     with _GpuClocks() as clocks:
         for _ in range(repeats):
-            t0 = time.perf_counter()
-            run(iters)
-            times.append((time.perf_counter() - t0) / iters)
+            times.append((seconds or host_seconds)(iters) / iters)
     median = statistics.median(times)
     return {"compile_s": compile_s, "s_per_step": median, "spread": (max(times) - min(times)) / median,
             "repeats_s": times, **_per_step(clocks.summary(), iters * repeats, sum(times) * iters)}
@@ -429,32 +431,25 @@ def _torch_time(fn, inputs: dict, args, name: str, flops: float, warmup: int = 3
     """Median seconds per call of fn(**inputs) over args.repeats runs of args.iters calls, timed with CUDA events."""
     import torch
 
+    def run(n):
+        for _ in range(n):
+            fn(**inputs)
+        torch.cuda.synchronize()
+
+    def seconds(n):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(n):
+            fn(**inputs)
+        end.record()
+        torch.cuda.synchronize()
+        return start.elapsed_time(end) / 1e3
+
     row = {"name": name}
     try:
         with torch.inference_mode():
-            t0 = time.perf_counter()
-            for _ in range(warmup):
-                fn(**inputs)
-            torch.cuda.synchronize()
-            row["compile_s"] = time.perf_counter() - t0
-            t0 = time.perf_counter()
-            while time.perf_counter() - t0 < getattr(args, "settle_s", 0.0):  # as `_timed`: to the cap's steady state
-                for _ in range(args.iters):
-                    fn(**inputs)
-                torch.cuda.synchronize()
-            times = []
-            with _GpuClocks() as clocks:
-                for _ in range(args.repeats):
-                    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                    start.record()
-                    for _ in range(args.iters):
-                        fn(**inputs)
-                    end.record()
-                    torch.cuda.synchronize()
-                    times.append(start.elapsed_time(end) / 1e3 / args.iters)
-            row.update(_per_step(clocks.summary(), args.iters * args.repeats, sum(times) * args.iters))
-        row["s_per_step"] = statistics.median(times)
-        row["spread"] = (max(times) - min(times)) / row["s_per_step"]
+            row.update(_timed(run, args.iters, args.repeats, getattr(args, "settle_s", 0.0), warmup=warmup,
+                              seconds=seconds))
         row["tflops"] = flops / row["s_per_step"] / 1e12
     except Exception as e:
         row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"

@@ -53,6 +53,24 @@ def test_no_energy_counter_gives_no_energy_figures(benchmark, tmp_path, monkeypa
     assert not any(k in row for k in ("joules_per_step", "power_w_mean", "energy_j"))
 
 
+def test_timings_by_another_clock_and_warmup(benchmark, tmp_path, monkeypatch):
+    """`seconds(n)`: the caller's clock (the diffusers side's CUDA events) gives the times, not the host's; the
+    first `warmup` steps are compile_s's."""
+    monkeypatch.setenv("PATH", str(tmp_path))
+    monkeypatch.setattr(benchmark, "_gpu_energy_mj", lambda: None)
+    steps = []
+    clock = iter([0.30, 0.20, 0.40])  # seconds for each timed run of 10 steps
+
+    def seconds(n):
+        steps.append(n)
+        return next(clock)
+
+    row = benchmark._timed(steps.append, 10, 3, warmup=3, seconds=seconds)
+    assert steps == [3, 10, 10, 10]  # the warmup through run, the timed runs through seconds
+    assert row["s_per_step"] == pytest.approx(0.03) and row["repeats_s"] == pytest.approx([0.03, 0.02, 0.04])
+    assert row["spread"] == pytest.approx(0.02 / 0.03)
+
+
 def test_energy_per_call_divides_the_counter_by_the_kernels_run(benchmark, tmp_path, monkeypatch):
     """`krea2-energy`'s loop: energy and time a kernel over all the calls timed, `kernels_per_call` a call."""
     import jax
