@@ -101,22 +101,26 @@ def _quantized_rows(y: jax.Array) -> tuple[jax.Array, jax.Array]:
 
 
 def modulated_rms_norm_fp8(x, norm_weight, scale, shift, eps: float, *, backend: str = "triton",
-                           interpret: bool = False) -> tuple[jax.Array, jax.Array]:
+                           interpret: bool = False, rows_per_program: int = 1) -> tuple[jax.Array, jax.Array]:
     """`modulated_rms_norm` quantized to FP8 E4M3 per token: (values (batch, seq, d'), scales (batch, seq) float32),
     d' = d padded to a multiple of 128 with zeros (as `gemm.quantize_activations` gives the GEMM its input).
-    x (batch, seq, d) in a 16- or 32-bit float; norm_weight (d,); scale, shift (batch, 1, d) or (1, 1, d)."""
+    x (batch, seq, d) in a 16- or 32-bit float; norm_weight (d,); scale, shift (batch, 1, d) or (1, 1, d).
+    `rows_per_program`: rows a program runs through one after the other, the norm's vectors loaded once for them
+    (a power of two dividing seq; see `_modulated_norm_fp8`)."""
     if backend == "reference":
         return _quantized_rows(modulated_rms_norm(x, norm_weight, *_modulation(x, scale, shift), eps))
-    return _modulated_norm_fp8("modulated_rms_norm_fp8", x, norm_weight, scale, shift, eps, False, backend, interpret)
+    return _modulated_norm_fp8("modulated_rms_norm_fp8", x, norm_weight, scale, shift, eps, False, backend, interpret,
+                               rows_per_program)
 
 
 def modulated_layer_norm_fp8(x, scale, shift, eps: float, *, backend: str = "triton",
-                             interpret: bool = False) -> tuple[jax.Array, jax.Array]:
+                             interpret: bool = False, rows_per_program: int = 1) -> tuple[jax.Array, jax.Array]:
     """`modulated_layer_norm` (FLUX.1) quantized to FP8 E4M3 per token; arguments and results as
     `modulated_rms_norm_fp8`'s, without a norm weight."""
     if backend == "reference":
         return _quantized_rows(modulated_layer_norm(x, *_modulation(x, scale, shift), eps))
-    return _modulated_norm_fp8("modulated_layer_norm_fp8", x, None, scale, shift, eps, True, backend, interpret)
+    return _modulated_norm_fp8("modulated_layer_norm_fp8", x, None, scale, shift, eps, True, backend, interpret,
+                               rows_per_program)
 
 
 def _modulation(x, scale, shift):
@@ -124,13 +128,24 @@ def _modulation(x, scale, shift):
     return jnp.broadcast_to(scale, (b, 1, d)), jnp.broadcast_to(shift, (b, 1, d))
 
 
-def _modulated_norm_fp8(name, x, norm_weight, scale, shift, eps, centered: bool, backend, interpret):
+def _modulated_norm_fp8(name, x, norm_weight, scale, shift, eps, centered: bool, backend, interpret,
+                        rows_per_program: int = 1):
     """The kernel of both adaptive norms: a row's mean subtracted first (`centered`: LayerNorm) or not (RMSNorm),
-    scaled by `1 + norm_weight` (none: 1), modulated, quantized."""
+    scaled by `1 + norm_weight` (none: 1), modulated, quantized.
+
+    Each program reads the norm's weight (float32), 1 + scale and the shift: 4 + 2 + 2 bytes a channel, four times
+    the row's own bytes, from L2. At Krea 2's 4224 x 6144 that is ~200 MB a call against 52 MB of rows; the kernel
+    takes 39-45 us where the rows alone would take ~20 from HBM (the hypothesis: L2's bandwidth bounds it).
+    `rows_per_program` > 1 loads the vectors once and runs through its rows in a loop (`lax.fori_loop`; session 11's
+    programs of several rows at once held all of them in registers and ran slower). Not yet timed on the GPU: 1 is
+    the default."""
     _check_backend(backend)
     from jax.experimental import pallas as pl
 
     b, s, d = x.shape
+    rows = rows_per_program
+    if rows < 1 or rows & (rows - 1) or s % rows:
+        raise ValueError(f"{name}: rows_per_program {rows} must be a power of two dividing the sequence length {s}")
     scale, shift = _modulation(x, scale, shift)
     c, dtype = _chunk(d), x.dtype
     n_chunks = d // c
@@ -141,23 +156,36 @@ def _modulated_norm_fp8(name, x, norm_weight, scale, shift, eps, centered: bool,
     shift = shift.reshape(b, d)
 
     def kernel(x_ref, w_ref, a_ref, sh_ref, q_ref, s_ref):
-        chunks = [x_ref[:, pl.ds(i * c, c)].astype(jnp.float32) for i in range(n_chunks)]  # (1, c) each
-        if centered:
-            mean = sum(jnp.sum(v) for v in chunks) / d
-            chunks = [v - mean for v in chunks]
-        ss = sum(jnp.sum(v * v) for v in chunks)
-        inv = jax.lax.rsqrt(ss / d + eps)
-        ys, amax = [], jnp.float32(0.0)
-        for i, v in enumerate(chunks):
-            norm = _round(v * inv if norm_weight is None else v * inv * w_ref[:, pl.ds(i * c, c)], dtype)
-            y = _round(a_ref[:, pl.ds(i * c, c)].astype(jnp.float32) * norm, dtype)
-            y = _round(y + sh_ref[:, pl.ds(i * c, c)].astype(jnp.float32), dtype)
-            ys.append(y)
-            amax = jnp.maximum(amax, jnp.max(jnp.abs(y)))
-        _store_fp8_row(ys, amax, c, q_ref, s_ref)
+        vectors = [[None if ref is None else ref[:, pl.ds(i * c, c)] for i in range(n_chunks)]
+                   for ref in (None if norm_weight is None else w_ref, a_ref, sh_ref)]  # LayerNorm: no weight
 
-    specs = [_row_spec(d), _vec_spec(d, batched=False), _vec_spec(d), _vec_spec(d)]
-    return _row_call(name, kernel, b, s, d, interpret, specs, x, weight, one_plus, shift)
+        def row(r):
+            chunks = [x_ref[r, pl.ds(i * c, c)].astype(jnp.float32) for i in range(n_chunks)]  # (1, c) each
+            if centered:
+                mean = sum(jnp.sum(v) for v in chunks) / d
+                chunks = [v - mean for v in chunks]
+            ss = sum(jnp.sum(v * v) for v in chunks)
+            inv = jax.lax.rsqrt(ss / d + eps)
+            ys, amax = [], jnp.float32(0.0)
+            for v, w, a, sh in zip(chunks, *vectors):
+                norm = _round(v * inv if norm_weight is None else v * inv * w, dtype)
+                y = _round(a.astype(jnp.float32) * norm, dtype)
+                y = _round(y + sh.astype(jnp.float32), dtype)
+                ys.append(y)
+                amax = jnp.maximum(amax, jnp.max(jnp.abs(y)))
+            _store_fp8_row(ys, amax, c, q_ref, s_ref, r)
+
+        def loop_body(r, carry):
+            row(pl.ds(r, 1))  # (a slice of one, not an integer: interpret mode's loads take only slices)
+            return carry
+
+        if rows == 1:
+            row(slice(None))
+        else:
+            jax.lax.fori_loop(0, rows, loop_body, 0)
+
+    specs = [_row_spec(d, rows), _vec_spec(d, batched=False), _vec_spec(d), _vec_spec(d)]
+    return _row_call(name, kernel, b, s, d, interpret, specs, x, weight, one_plus, shift, rows=rows)
 
 
 def swiglu_fp8(gate_up: jax.Array, *, backend: str = "triton", interpret: bool = False) -> tuple[jax.Array, jax.Array]:
@@ -242,23 +270,23 @@ def _check_backend(backend: str) -> None:
         raise ValueError(f"backend must be 'triton' or 'reference', got {backend!r}")
 
 
-def _store_fp8_row(ys, amax, c, q_ref, s_ref):
+def _store_fp8_row(ys, amax, c, q_ref, s_ref, row=slice(None)):
     """`gemm._fp8_e4m3_rows`' rule for one row held as chunks: scale amax / 448 (1 for a zero row; NaN for a row
-    holding NaN or Inf, whose values then mean nothing)."""
+    holding NaN or Inf, whose values then mean nothing). `row`: which of the program's rows (all: its only one)."""
     from jax.experimental import pallas as pl
 
     finite = amax <= np.float32(np.finfo(np.float32).max)  # False for Inf and NaN
     step = jnp.where(amax > 0, amax * np.float32(1.0 / FP8_MAX), 1.0)
     for i, y in enumerate(ys):
         q = jnp.where(finite, jnp.clip(y / step, -FP8_MAX, FP8_MAX), 0.0)
-        q_ref[:, pl.ds(i * c, c)] = q.astype(q_ref.dtype)
-    s_ref[...] = jnp.where(finite, step, jnp.nan).reshape(s_ref.shape)
+        q_ref[row, pl.ds(i * c, c)] = q.astype(q_ref.dtype)
+    s_ref[row, :] = jnp.where(finite, step, jnp.nan).reshape(1, 1)
 
 
-def _row_spec(d: int):
+def _row_spec(d: int, rows: int = 1):
     from jax.experimental import pallas as pl
 
-    return pl.BlockSpec((None, 1, d), lambda bi, si: (bi, si, 0))
+    return pl.BlockSpec((None, rows, d), lambda bi, si: (bi, si, 0))
 
 
 def _vec_spec(d: int, batched: bool = True):
@@ -267,18 +295,18 @@ def _vec_spec(d: int, batched: bool = True):
     return pl.BlockSpec((1, d), (lambda bi, si: (bi, 0)) if batched else (lambda bi, si: (0, 0)))
 
 
-def _row_call(name: str, kernel, b: int, s: int, d_out: int, interpret: bool, in_specs, *args):
-    """A program per row (batch, token) writing d_out FP8 values and the row's scale; `name`: the kernel's, in
-    profiles (the entry point's)."""
+def _row_call(name: str, kernel, b: int, s: int, d_out: int, interpret: bool, in_specs, *args, rows: int = 1):
+    """A program per `rows` rows (batch, tokens) writing d_out FP8 values and a scale a row; `name`: the kernel's,
+    in profiles (the entry point's)."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import triton as pltriton
 
     values, scales = pl.pallas_call(
         kernel,
-        grid=(b, s),
+        grid=(b, s // rows),
         in_specs=in_specs,
-        out_specs=[pl.BlockSpec((None, 1, d_out), lambda bi, si: (bi, si, 0)),
-                   pl.BlockSpec((None, 1, 1), lambda bi, si: (bi, si, 0))],
+        out_specs=[pl.BlockSpec((None, rows, d_out), lambda bi, si: (bi, si, 0)),
+                   pl.BlockSpec((None, rows, 1), lambda bi, si: (bi, si, 0))],
         out_shape=[jax.ShapeDtypeStruct((b, s, d_out), jnp.float8_e4m3fn),
                    jax.ShapeDtypeStruct((b, s, 1), jnp.float32)],
         # 8 warps: a row of up to 16384 values is ~64 float32 registers a thread

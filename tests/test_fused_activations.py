@@ -42,6 +42,23 @@ def test_modulated_norm_kernel_equals_reference(d, dtype):
     assert kernel[0].dtype == jnp.float8_e4m3fn and kernel[0].shape == (2, 5, -(-d // 128) * 128) and kernel[1].shape == (2, 5)
 
 
+@pytest.mark.parametrize("rows", [2, 8])
+def test_modulated_norms_several_rows_a_program_equal_one_row_a_program(rows):
+    """`rows_per_program`: a program loops over its rows with the norm's vectors loaded once; the same values and
+    scales as a program a row, zero and outlier rows included (both norms); a count that does not divide the
+    sequence is named."""
+    x, w, scale, shift = _inputs(96, seq=8)
+    x = x.at[1, 5].set(jnp.nan)  # a non-finite row: its scale NaN, as one row a program gives it
+    for fn in (lambda **kw: A.modulated_rms_norm_fp8(x, w, scale, shift, 1e-5, interpret=True, **kw),
+               lambda **kw: A.modulated_layer_norm_fp8(x, scale, shift, 1e-6, interpret=True, **kw)):
+        one, several = fn(), fn(rows_per_program=rows)
+        np.testing.assert_array_equal(np.asarray(several[0].astype(jnp.float32)), np.asarray(one[0].astype(jnp.float32)))
+        np.testing.assert_array_equal(np.asarray(several[1]), np.asarray(one[1]))
+        assert np.isnan(np.asarray(one[1][1, 5])) and np.isfinite(np.asarray(one[1][0])).all()
+    with pytest.raises(ValueError, match="rows_per_program 3 must be a power of two dividing the sequence length 8"):
+        A.modulated_rms_norm_fp8(x, w, scale, shift, 1e-5, interpret=True, rows_per_program=3)
+
+
 def test_modulated_norm_reference_is_the_models_arithmetic():
     """The reference is Krea 2's adaptive norm (RMSNorm module, then `(1 + scale) * norm + shift`) quantized by
     `quantize_activations`, bit for bit."""
