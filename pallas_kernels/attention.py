@@ -1066,8 +1066,11 @@ def _rms_rope_quantize(x, weight, eps, cos_half, sin_half, mean, lengths, multip
     half = d // 2
     pad = (-s) % block
     if pad:  # zero rows: they contribute nothing to a block's amax
-        v_src = None if v_src is None else x if v_src is x else jnp.pad(v_src, ((0, 0), (0, pad), (0, 0), (0, 0)))
-        x = jnp.pad(x, ((0, 0), (0, pad), (0, 0), (0, 0)))
+        rows_pad = ((0, 0), (0, pad), (0, 0), (0, 0))
+        v_in_x = v_src is x  # (a stacked projection: V's heads read from the same padded copy)
+        x = jnp.pad(x, rows_pad)
+        if v_src is not None:
+            v_src = x if v_in_x else jnp.pad(v_src, rows_pad)
         cos_half = jnp.pad(cos_half, ((0, 0), (0, pad), (0, 0)))
         sin_half = jnp.pad(sin_half, ((0, 0), (0, pad), (0, 0)))
     n_blocks = (s + pad) // block
@@ -1093,8 +1096,9 @@ def _rms_rope_quantize(x, weight, eps, cos_half, sin_half, mean, lengths, multip
         return even * c - odd * sn, odd * c + even * sn
 
     def tables_and_mask(lengths_ref, c_ref, s_ref):
-        c, sn = c_ref[...], s_ref[...]  # (block, half): loaded once for the group's heads
-        rows = pl.program_id(1) * block + jax.lax.broadcasted_iota(jnp.int32, c.shape, 0)
+        """The tables (block, half), loaded once for the group's heads, and which rows are valid keys (block, 1)."""
+        c, sn = c_ref[...], s_ref[...]
+        rows = pl.program_id(1) * block + jax.lax.broadcasted_iota(jnp.int32, (block, 1), 0)
         return c, sn, rows < lengths_ref[pl.program_id(0)]
 
     def kernel(lengths_ref, x_ref, c_ref, s_ref, we_ref, wo_ref, me_ref, mo_ref, q_ref, scale_ref):
@@ -1126,11 +1130,9 @@ def _rms_rope_quantize(x, weight, eps, cos_half, sin_half, mean, lengths, multip
                 sum_ref[one, pl.ds(start, half)] = jnp.sum(jnp.where(keep, v, 0.0), axis=0)[None]
             if v_ref is not None:
                 v = v_ref[:, one, :].reshape(block, d).astype(jnp.float32)
-                rows = pl.program_id(1) * block + jax.lax.broadcasted_iota(jnp.int32, v.shape, 0)
-                valid = rows < lengths_ref[pl.program_id(0)]
-                for i, part in enumerate((jnp.max(jnp.where(valid, v, -jnp.inf), axis=0),
-                                          jnp.min(jnp.where(valid, v, jnp.inf), axis=0),
-                                          jnp.sum(jnp.where(valid, v, 0.0), axis=0))):
+                for i, part in enumerate((jnp.max(jnp.where(keep, v, -jnp.inf), axis=0),
+                                          jnp.min(jnp.where(keep, v, jnp.inf), axis=0),
+                                          jnp.sum(jnp.where(keep, v, 0.0), axis=0))):
                     range_ref[one, pl.ds(i, 1), :] = part.reshape(1, 1, d)
 
     in_specs = [
