@@ -16,7 +16,8 @@ modulation + quantization and ~225 us for SwiGLU + quantization (NOTES.md, sessi
 Each computes what the models compute, in their order and rounding (float32 norm cast to x's dtype; modulation in x's
 dtype; SwiGLU rounded as PyTorch rounds it), then `gemm.quantize_activations`' rule. `backend="reference"` is that
 composition in jnp (what runs off the GPU, and what the tests compare the kernel with); `backend="triton"` the Pallas
-kernel (Triton lowering: one program per row; rows that a power-of-two chunk of 16 to 2048 values divides).
+kernel (Triton lowering: a program per row, or per few rows one after the other, `ROWS_PER_PROGRAM`; rows that
+a power-of-two chunk of 16 to 2048 values divides).
 
 On the H200 at 4224 x 6144 / 4224 x 32768 (NOTES.md, session 5): the norm in 42 us (XLA's composition 85), 99.99998%
 of its codes equal to the reference; SwiGLU in 141 us (XLA 231), 96.9% of codes equal: on the GPU, XLA keeps float32
@@ -36,6 +37,15 @@ from .gemm import BLOCK_K, quantize_activations
 
 FP8_MAX = 448.0
 CHUNK = 2048  # the widest power of two a row is loaded in (Triton's loads take power-of-two sizes)
+# Rows a program at most (`rows_per_program=None`: the largest power of two dividing the sequence up to this). The
+# adaptive norm at Krea 2's 4224 x 6144 alone at the power cap (session 16, `probes/s16_norm.py`; each program reads
+# the norm's vectors, 4x a row's bytes, so more rows a program read them fewer times): 49.4 / 43.3 / 40.7 / 39.5 /
+# 38.8 / 60.7 us and 30.2 / 24.9 / 22.9 / 21.9 / 21.3 / 23.4 mJ at 1 / 2 / 4 / 8 / 16 / 32 rows (32: 132 programs,
+# one wave, too few in flight); in the fp8 step (A B B A) 8 rows 0.1040 s against 0.1046-0.1047 with one, 32 0.1050.
+# `tokens_fp8` and `sigmoid_gated_fp8`, which read no vectors, ran slower with more rows (alone at the cap: 58.3 /
+# 63.3 / 68.3 / 68.8 us and 42.0 / 42.8 / 48.6 / 47.4 us at 1 / 2 / 4 / 8), and no faster with 4 or 16 warps.
+ROWS_PER_PROGRAM = {"modulated_rms_norm_fp8": 8, "modulated_layer_norm_fp8": 8, "swiglu_fp8": 1, "tokens_fp8": 1,
+                    "sigmoid_gated_fp8": 1}
 
 
 def _chunk(d: int) -> int:
@@ -101,20 +111,21 @@ def _quantized_rows(y: jax.Array) -> tuple[jax.Array, jax.Array]:
 
 
 def modulated_rms_norm_fp8(x, norm_weight, scale, shift, eps: float, *, backend: str = "triton",
-                           interpret: bool = False, rows_per_program: int = 1) -> tuple[jax.Array, jax.Array]:
+                           interpret: bool = False,
+                           rows_per_program: int | None = None) -> tuple[jax.Array, jax.Array]:
     """`modulated_rms_norm` quantized to FP8 E4M3 per token: (values (batch, seq, d'), scales (batch, seq) float32),
     d' = d padded to a multiple of 128 with zeros (as `gemm.quantize_activations` gives the GEMM its input).
     x (batch, seq, d) in a 16- or 32-bit float; norm_weight (d,); scale, shift (batch, 1, d) or (1, 1, d).
     `rows_per_program`: rows a program runs through one after the other, the norm's vectors loaded once for them
-    (a power of two dividing seq; see `_modulated_norm_fp8`)."""
+    (a power of two dividing seq; None: `ROWS_PER_PROGRAM`'s, see there)."""
     if backend == "reference":
         return _quantized_rows(modulated_rms_norm(x, norm_weight, *_modulation(x, scale, shift), eps))
     return _modulated_norm_fp8("modulated_rms_norm_fp8", x, norm_weight, scale, shift, eps, False, backend, interpret,
                                rows_per_program)
 
 
-def modulated_layer_norm_fp8(x, scale, shift, eps: float, *, backend: str = "triton",
-                             interpret: bool = False, rows_per_program: int = 1) -> tuple[jax.Array, jax.Array]:
+def modulated_layer_norm_fp8(x, scale, shift, eps: float, *, backend: str = "triton", interpret: bool = False,
+                             rows_per_program: int | None = None) -> tuple[jax.Array, jax.Array]:
     """`modulated_layer_norm` (FLUX.1) quantized to FP8 E4M3 per token; arguments and results as
     `modulated_rms_norm_fp8`'s, without a norm weight."""
     if backend == "reference":
@@ -129,23 +140,20 @@ def _modulation(x, scale, shift):
 
 
 def _modulated_norm_fp8(name, x, norm_weight, scale, shift, eps, centered: bool, backend, interpret,
-                        rows_per_program: int = 1):
+                        rows_per_program: int | None):
     """The kernel of both adaptive norms: a row's mean subtracted first (`centered`: LayerNorm) or not (RMSNorm),
     scaled by `1 + norm_weight` (none: 1), modulated, quantized.
 
     Each program reads the norm's weight (float32), 1 + scale and the shift: 4 + 2 + 2 bytes a channel, four times
     the row's own bytes, from L2. At Krea 2's 4224 x 6144 that is ~200 MB a call against 52 MB of rows; the kernel
-    takes 39-45 us where the rows alone would take ~20 from HBM (the hypothesis: L2's bandwidth bounds it).
-    `rows_per_program` > 1 loads the vectors once and runs through its rows in a loop (`lax.fori_loop`; session 11's
-    programs of several rows at once held all of them in registers and ran slower). Not yet timed on the GPU: 1 is
-    the default."""
+    takes 39-49 us where the rows alone would take ~20 from HBM. `rows_per_program` > 1 loads the vectors once and
+    runs through its rows in a loop (`lax.fori_loop`; session 11's programs of several rows at once held all of them
+    in registers and ran slower); see `ROWS_PER_PROGRAM` for what it measured."""
     _check_backend(backend)
     from jax.experimental import pallas as pl
 
     b, s, d = x.shape
-    rows = rows_per_program
-    if rows < 1 or rows & (rows - 1) or s % rows:
-        raise ValueError(f"{name}: rows_per_program {rows} must be a power of two dividing the sequence length {s}")
+    rows = _rows_per_program(name, s, rows_per_program)
     scale, shift = _modulation(x, scale, shift)
     c, dtype = _chunk(d), x.dtype
     n_chunks = d // c
@@ -175,20 +183,14 @@ def _modulated_norm_fp8(name, x, norm_weight, scale, shift, eps, centered: bool,
                 amax = jnp.maximum(amax, jnp.max(jnp.abs(y)))
             _store_fp8_row(ys, amax, c, q_ref, s_ref, r)
 
-        def loop_body(r, carry):
-            row(pl.ds(r, 1))  # (a slice of one, not an integer: interpret mode's loads take only slices)
-            return carry
-
-        if rows == 1:
-            row(slice(None))
-        else:
-            jax.lax.fori_loop(0, rows, loop_body, 0)
+        _for_each_row(rows, row)
 
     specs = [_row_spec(d, rows), _vec_spec(d, batched=False), _vec_spec(d), _vec_spec(d)]
     return _row_call(name, kernel, b, s, d, interpret, specs, x, weight, one_plus, shift, rows=rows)
 
 
-def swiglu_fp8(gate_up: jax.Array, *, backend: str = "triton", interpret: bool = False) -> tuple[jax.Array, jax.Array]:
+def swiglu_fp8(gate_up: jax.Array, *, backend: str = "triton", interpret: bool = False,
+               rows_per_program: int | None = None) -> tuple[jax.Array, jax.Array]:
     """`swiglu(gate_up)` quantized to FP8 E4M3 per token: gate_up (batch, seq, 2h) -> (values (batch, seq, h'),
     scales (batch, seq) float32), h' = h padded to a multiple of 128 (see `modulated_rms_norm_fp8`)."""
     b, s, d2 = gate_up.shape
@@ -198,22 +200,27 @@ def swiglu_fp8(gate_up: jax.Array, *, backend: str = "triton", interpret: bool =
     _check_backend(backend)
     c, dtype = _chunk(h), gate_up.dtype
     n_chunks = h // c
+    rows = _rows_per_program("swiglu_fp8", s, rows_per_program)
     from jax.experimental import pallas as pl
 
     def kernel(gu_ref, q_ref, s_ref):
-        ys, amax = [], jnp.float32(0.0)
-        for i in range(n_chunks):
-            g = gu_ref[:, pl.ds(i * c, c)].astype(jnp.float32)
-            u = gu_ref[:, pl.ds(h + i * c, c)].astype(jnp.float32)
-            y = _round(_round(g / (1.0 + jnp.exp(-g)), dtype) * u, dtype)  # as `swiglu`
-            ys.append(y)
-            amax = jnp.maximum(amax, jnp.max(jnp.abs(y)))
-        _store_fp8_row(ys, amax, c, q_ref, s_ref)
+        def row(r):
+            ys, amax = [], jnp.float32(0.0)
+            for i in range(n_chunks):
+                g = gu_ref[r, pl.ds(i * c, c)].astype(jnp.float32)
+                u = gu_ref[r, pl.ds(h + i * c, c)].astype(jnp.float32)
+                y = _round(_round(g / (1.0 + jnp.exp(-g)), dtype) * u, dtype)  # as `swiglu`
+                ys.append(y)
+                amax = jnp.maximum(amax, jnp.max(jnp.abs(y)))
+            _store_fp8_row(ys, amax, c, q_ref, s_ref, r)
 
-    return _row_call("swiglu_fp8", kernel, b, s, h, interpret, [_row_spec(d2)], gate_up)
+        _for_each_row(rows, row)
+
+    return _row_call("swiglu_fp8", kernel, b, s, h, interpret, [_row_spec(d2, rows)], gate_up, rows=rows)
 
 
-def tokens_fp8(y: jax.Array, *, backend: str = "triton", interpret: bool = False) -> tuple[jax.Array, jax.Array]:
+def tokens_fp8(y: jax.Array, *, backend: str = "triton", interpret: bool = False,
+               rows_per_program: int | None = None) -> tuple[jax.Array, jax.Array]:
     """y (batch, seq, d) quantized to FP8 E4M3 per token in one pass (each row read once): the input of SwiGLU's
     down projection when the gate/up GEMM applied SwiGLU in its epilogue (`gemm.swiglu_weight`). Returns as the
     others; the values and scales of `gemm.quantize_activations`."""
@@ -222,17 +229,21 @@ def tokens_fp8(y: jax.Array, *, backend: str = "triton", interpret: bool = False
         return _quantized_rows(y)
     _check_backend(backend)
     c = _chunk(d)
+    rows = _rows_per_program("tokens_fp8", s, rows_per_program)
     from jax.experimental import pallas as pl
 
     def kernel(y_ref, q_ref, s_ref):
-        ys = [y_ref[:, pl.ds(i * c, c)].astype(jnp.float32) for i in range(d // c)]
-        _store_fp8_row(ys, functools.reduce(jnp.maximum, [jnp.max(jnp.abs(v)) for v in ys]), c, q_ref, s_ref)
+        def row(r):
+            ys = [y_ref[r, pl.ds(i * c, c)].astype(jnp.float32) for i in range(d // c)]
+            _store_fp8_row(ys, functools.reduce(jnp.maximum, [jnp.max(jnp.abs(v)) for v in ys]), c, q_ref, s_ref, r)
 
-    return _row_call("tokens_fp8", kernel, b, s, d, interpret, [_row_spec(d)], y)
+        _for_each_row(rows, row)
+
+    return _row_call("tokens_fp8", kernel, b, s, d, interpret, [_row_spec(d, rows)], y, rows=rows)
 
 
 def sigmoid_gated_fp8(out: jax.Array, stacked: jax.Array, gate_offset: int, *, backend: str = "triton",
-                      interpret: bool = False) -> tuple[jax.Array, jax.Array]:
+                      interpret: bool = False, rows_per_program: int | None = None) -> tuple[jax.Array, jax.Array]:
     """`sigmoid_gated(out, gate)` quantized to FP8 E4M3 per token, gate = stacked[..., gate_offset:gate_offset + d]:
     out (batch, seq, d); stacked (batch, seq, n) the product the gate is a slice of (read in place: a slice handed
     to a kernel would be copied first). Returns (values (batch, seq, d'), scales (batch, seq)) as the others."""
@@ -245,20 +256,24 @@ def sigmoid_gated_fp8(out: jax.Array, stacked: jax.Array, gate_offset: int, *, b
     _check_backend(backend)
     c, dtype = _chunk(d), out.dtype
     n_chunks = d // c
+    rows = _rows_per_program("sigmoid_gated_fp8", s, rows_per_program)
     from jax.experimental import pallas as pl
 
     def kernel(out_ref, stacked_ref, q_ref, s_ref):
-        ys, amax = [], jnp.float32(0.0)
-        for i in range(n_chunks):
-            o = out_ref[:, pl.ds(i * c, c)].astype(jnp.float32)
-            g = stacked_ref[:, pl.ds(gate_offset + i * c, c)].astype(jnp.float32)
-            y = _round(o * _round(1.0 / (1.0 + jnp.exp(-g)), dtype), dtype)  # as `sigmoid_gated`
-            ys.append(y)
-            amax = jnp.maximum(amax, jnp.max(jnp.abs(y)))
-        _store_fp8_row(ys, amax, c, q_ref, s_ref)
+        def row(r):
+            ys, amax = [], jnp.float32(0.0)
+            for i in range(n_chunks):
+                o = out_ref[r, pl.ds(i * c, c)].astype(jnp.float32)
+                g = stacked_ref[r, pl.ds(gate_offset + i * c, c)].astype(jnp.float32)
+                y = _round(o * _round(1.0 / (1.0 + jnp.exp(-g)), dtype), dtype)  # as `sigmoid_gated`
+                ys.append(y)
+                amax = jnp.maximum(amax, jnp.max(jnp.abs(y)))
+            _store_fp8_row(ys, amax, c, q_ref, s_ref, r)
 
-    return _row_call("sigmoid_gated_fp8", kernel, b, s, d, interpret, [_row_spec(d), _row_spec(stacked.shape[2])],
-                     out, stacked)
+        _for_each_row(rows, row)
+
+    return _row_call("sigmoid_gated_fp8", kernel, b, s, d, interpret,
+                     [_row_spec(d, rows), _row_spec(stacked.shape[2], rows)], out, stacked, rows=rows)
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -268,6 +283,34 @@ def sigmoid_gated_fp8(out: jax.Array, stacked: jax.Array, gate_offset: int, *, b
 def _check_backend(backend: str) -> None:
     if backend != "triton":  # "reference" returned before
         raise ValueError(f"backend must be 'triton' or 'reference', got {backend!r}")
+
+
+def _rows_per_program(name: str, s: int, rows: int | None) -> int:
+    """The rows a program of kernel `name` runs through: `rows`, or by default the largest power of two dividing
+    the sequence length s up to `ROWS_PER_PROGRAM[name]`."""
+    if rows is None:
+        rows = ROWS_PER_PROGRAM[name]
+        while s % rows:
+            rows //= 2
+    if rows < 1 or rows & (rows - 1) or s % rows:
+        raise ValueError(f"{name}: rows_per_program {rows} must be a power of two dividing the sequence length {s}")
+    return rows
+
+
+def _for_each_row(rows: int, row) -> None:
+    """`row(r)` for each of a program's rows: r a slice of its block; a loop over them where there are several (the
+    program's vectors, loaded before, then stay in registers)."""
+    from jax.experimental import pallas as pl
+
+    if rows == 1:
+        row(slice(None))
+        return
+
+    def body(r, carry):
+        row(pl.ds(r, 1))  # (a slice of one, not an integer: interpret mode's loads take only slices)
+        return carry
+
+    jax.lax.fori_loop(0, rows, body, 0)
 
 
 def _store_fp8_row(ys, amax, c, q_ref, s_ref, row=slice(None)):

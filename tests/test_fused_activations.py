@@ -51,12 +51,38 @@ def test_modulated_norms_several_rows_a_program_equal_one_row_a_program(rows):
     x = x.at[1, 5].set(jnp.nan)  # a non-finite row: its scale NaN, as one row a program gives it
     for fn in (lambda **kw: A.modulated_rms_norm_fp8(x, w, scale, shift, 1e-5, interpret=True, **kw),
                lambda **kw: A.modulated_layer_norm_fp8(x, scale, shift, 1e-6, interpret=True, **kw)):
-        one, several = fn(), fn(rows_per_program=rows)
+        one, several = fn(rows_per_program=1), fn(rows_per_program=rows)
         np.testing.assert_array_equal(np.asarray(several[0].astype(jnp.float32)), np.asarray(one[0].astype(jnp.float32)))
         np.testing.assert_array_equal(np.asarray(several[1]), np.asarray(one[1]))
         assert np.isnan(np.asarray(one[1][1, 5])) and np.isfinite(np.asarray(one[1][0])).all()
     with pytest.raises(ValueError, match="rows_per_program 3 must be a power of two dividing the sequence length 8"):
         A.modulated_rms_norm_fp8(x, w, scale, shift, 1e-5, interpret=True, rows_per_program=3)
+
+
+@pytest.mark.parametrize("rows", [2, 4])
+def test_row_kernels_several_rows_a_program_equal_one_row_a_program(rows):
+    """SwiGLU, `tokens_fp8` and the sigmoid gate with `rows_per_program` > 1: the same values and scales as a program
+    a row (zero, outlier and NaN rows included)."""
+    x = _inputs(96, seq=8)[0].at[1, 5].set(jnp.nan)
+    gate_up = jnp.concatenate([x, 0.5 * x[..., ::-1]], axis=-1)
+    stacked = jnp.concatenate([x[..., :32], -x, x[..., :16]], axis=-1)
+    for fn in (lambda **kw: A.swiglu_fp8(gate_up, interpret=True, **kw),
+               lambda **kw: A.tokens_fp8(x, interpret=True, **kw),
+               lambda **kw: A.sigmoid_gated_fp8(x, stacked, 32, interpret=True, **kw)):
+        one, several = fn(rows_per_program=1), fn(rows_per_program=rows)
+        np.testing.assert_array_equal(np.asarray(several[0], np.float32), np.asarray(one[0], np.float32))
+        np.testing.assert_array_equal(np.asarray(several[1]), np.asarray(one[1]))
+        assert np.isnan(np.asarray(one[1][1, 5])) and np.isfinite(np.asarray(one[1][0])).all()
+
+
+def test_rows_per_program_default_divides_the_sequence(monkeypatch):
+    """None: the largest power of two dividing the sequence up to `ROWS_PER_PROGRAM`'s (4224 = 2^7 x 33 tokens take
+    8; an odd length takes 1)."""
+    monkeypatch.setitem(A.ROWS_PER_PROGRAM, "tokens_fp8", 8)
+    assert [A._rows_per_program("tokens_fp8", s, None) for s in (4224, 4608, 12, 6, 5)] == [8, 8, 4, 2, 1]
+    assert A._rows_per_program("tokens_fp8", 12, 2) == 2
+    with pytest.raises(ValueError, match="tokens_fp8: rows_per_program 8 must be a power of two dividing"):
+        A._rows_per_program("tokens_fp8", 12, 8)
 
 
 def test_modulated_norm_reference_is_the_models_arithmetic():

@@ -24,15 +24,21 @@ BF16, F32 = jnp.bfloat16, jnp.float32
 ROWS = (1, 64, 256)
 
 
-@pytest.mark.parametrize("name", ["modulated_rms_norm_fp8", "modulated_rms_norm_fp8 (8 rows a program)",
-                                  "modulated_layer_norm_fp8", "swiglu_fp8", "tokens_fp8", "sigmoid_gated_fp8"])
+@pytest.mark.parametrize("name", ["modulated_rms_norm_fp8", "modulated_rms_norm_fp8 (1 row a program)",
+                                  "modulated_layer_norm_fp8", "swiglu_fp8", "tokens_fp8", "sigmoid_gated_fp8",
+                                  "swiglu_fp8 (4 rows)", "tokens_fp8 (4 rows)", "sigmoid_gated_fp8 (4 rows)"])
 def test_fused_fp8_producers_lower(name):
+    """Each row kernel, with its default rows a program (`ROWS_PER_PROGRAM`) and with another."""
     calls = {
         "modulated_rms_norm_fp8": (lambda x, w, a, s: A.modulated_rms_norm_fp8(x, w, a, s, 1e-6),
                                    (ROWS, BF16), ((256,), F32), ((1, 1, 256), BF16), ((1, 1, 256), BF16)),
-        "modulated_rms_norm_fp8 (8 rows a program)": (
-            lambda x, w, a, s: A.modulated_rms_norm_fp8(x, w, a, s, 1e-6, rows_per_program=8),
+        "modulated_rms_norm_fp8 (1 row a program)": (
+            lambda x, w, a, s: A.modulated_rms_norm_fp8(x, w, a, s, 1e-6, rows_per_program=1),
             (ROWS, BF16), ((256,), F32), ((1, 1, 256), BF16), ((1, 1, 256), BF16)),
+        "swiglu_fp8 (4 rows)": (lambda x: A.swiglu_fp8(x, rows_per_program=4), ((1, 64, 512), BF16)),
+        "tokens_fp8 (4 rows)": (lambda x: A.tokens_fp8(x, rows_per_program=4), (ROWS, BF16)),
+        "sigmoid_gated_fp8 (4 rows)": (lambda o, s: A.sigmoid_gated_fp8(o, s, gate_offset=512, rows_per_program=4),
+                                       (ROWS, BF16), ((1, 64, 1024), BF16)),
         "modulated_layer_norm_fp8": (lambda x, a, s: A.modulated_layer_norm_fp8(x, a, s, 1e-6),
                                      (ROWS, BF16), ((1, 1, 256), BF16), ((1, 1, 256), BF16)),
         "swiglu_fp8": (A.swiglu_fp8, ((1, 64, 512), BF16)),
