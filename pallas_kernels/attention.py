@@ -344,7 +344,8 @@ def _pv_key_order(keys: int) -> np.ndarray:
 
 def v_fp8_operand(v: jax.Array, block: int, *, permute_keys: bool, kv_lengths: jax.Array | None = None,
                   interpret: bool = False, smooth: bool = False,
-                  scale_and_mean: tuple[jax.Array, jax.Array] | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
+                  scale_and_mean: tuple[jax.Array, jax.Array] | None = None,
+                  heads: tuple[int, int] | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
     """V as the kernels' FP8 P.V takes it, in one Triton pass: V (batch, kv_len, kv_heads, dim) in a float dtype
     (read as it is: the keys past `kv_lengths` are zeroed in the pass, and their values do not enter the scales)
     divided by its channel scales (`_v_fp8_scale_and_mean`) and rounded to E4M3, out as V^T (batch, kv_heads, dim,
@@ -355,18 +356,23 @@ def v_fp8_operand(v: jax.Array, block: int, *, permute_keys: bool, kv_lengths: j
     dim)). XLA's transpose (and gather) for this took 47-69 us a block in the step (session 10's profiles): 8-bit
     transposes with the permutation inside. Each program transposes a (block, dim) tile in registers.
     `scale_and_mean`: the scales and means as `_v_fp8_scale_and_mean` gives them for `smooth`, computed before (by
-    the K prologue's sums pass, `_rms_rope_quantize(values=...)`); else an XLA reduction here makes them."""
+    the K prologue's sums pass, `_rms_rope_quantize(values=...)`); else an XLA reduction here makes them.
+    `heads` (first, count): V is those heads of `v`, read in place (a stacked projection's; a slice handed to the
+    pass would be copied first: 8.6 us a call at Krea 2's size, session 15's profile)."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import triton as pltriton
 
     if block % 16:
         raise ValueError(f"v_fp8_operand: block {block} must be a multiple of 16")
+    first, hk = (0, v.shape[2]) if heads is None else heads
+    pad = (-v.shape[1]) % block
+    if scale_and_mean is None or pad:  # (the padded copy takes V's heads only)
+        v, first = v[:, :, first:first + hk], 0
     v_scale, mean = _v_fp8_scale_and_mean(v, kv_lengths, smooth) if scale_and_mean is None else scale_and_mean
     lengths = _key_lengths(kv_lengths, v.shape[0], v.shape[1])
-    pad = (-v.shape[1]) % block
     if pad:  # zero keys (past the lengths): a copy, where a sequence is no multiple of the block
         v = jnp.pad(v, ((0, 0), (0, pad), (0, 0), (0, 0)))
-    b, keys, hk, d = v.shape
+    b, keys, _, d = v.shape
 
     def kernel(lengths_ref, v_ref, s_ref, m_ref, o_ref):
         rows = pl.program_id(2) * block + jax.lax.broadcasted_iota(jnp.int32, (block, d), 0)
@@ -382,7 +388,7 @@ def v_fp8_operand(v: jax.Array, block: int, *, permute_keys: bool, kv_lengths: j
         kernel,
         grid=(b, hk, keys // block),
         in_specs=[pl.no_block_spec,
-                  pl.BlockSpec((None, block, None, d), lambda bi, hi, ki: (bi, ki, hi, 0)),
+                  pl.BlockSpec((None, block, None, d), lambda bi, hi, ki: (bi, ki, hi + first, 0)),
                   pl.BlockSpec((None, None, d), lambda bi, hi, ki: (bi, hi, 0)),
                   pl.BlockSpec((None, None, d), lambda bi, hi, ki: (bi, hi, 0))],
         out_specs=pl.BlockSpec((None, None, d, block), lambda bi, hi, ki: (bi, hi, 0, ki)),
@@ -505,13 +511,14 @@ def _rotate_pairs(x: jax.Array, interpret: bool) -> jax.Array:
 
 
 def _mosaic_q_prologue(raw_ref, q_ref, cos_ref, sin_ref, w_ref, prologue: MosaicQPrologue,
-                       interpret: bool) -> jax.Array:
+                       interpret: bool, before_store=None) -> jax.Array:
     """One compute warpgroup's Q tile in the Mosaic kernel: the raw rows (`raw_ref`), normed (weight `w_ref`),
     rotated (tables `cos_ref`, `sin_ref` in `_pair_table_order`) and quantized to INT8 per row into `q_ref` (for
     wgmma); all in shared memory, arrived by TMA. Returns the rows' scales (rows,), the softmax scale in them, in the
     layout of the logits' row reductions. The arithmetic is `rms_rope_reference`'s, then `_quantize_int8_blocks`'
     with one row a block (up to rounding). Measured (session 12, Krea 2's attention at 4224 tokens): with the
-    tables read from global memory by each thread this cost ~60 us a call more, as much as the Q prologue's pass."""
+    tables read from global memory by each thread this cost ~60 us a call more, as much as the Q prologue's pass.
+    `before_store()`: runs before the INT8 values are stored (q_ref may share memory with what was read)."""
     import jax.experimental.pallas.mosaic_gpu as plgpu
     from jax import lax
 
@@ -530,8 +537,10 @@ def _mosaic_q_prologue(raw_ref, q_ref, cos_ref, sin_ref, w_ref, prologue: Mosaic
     amax = jnp.abs(y).max(axis=1)
     positive = amax > 0
     inverse = jnp.where(positive, 127.0 / amax, 1.0)
-    q = jnp.clip(jnp.round(y * lax.broadcast_in_dim(inverse, y.shape, [0])), -127.0, 127.0)
-    q_ref[...] = q.astype(jnp.int8)
+    q = jnp.clip(jnp.round(y * lax.broadcast_in_dim(inverse, y.shape, [0])), -127.0, 127.0).astype(jnp.int8)
+    if before_store is not None:
+        before_store()
+    q_ref[...] = q
     plgpu.commit_smem()  # visible to wgmma's (async proxy) reads
     return jnp.where(positive, amax * (prologue.scale / 127.0), 1.0)
 
@@ -548,18 +557,20 @@ def compute_registers(compute_wgs: int, memory_registers: int = 40) -> int:
 def _int8_attention_mosaic(qi, qs, ki, ks, v, kv_lengths, *, pv, block_k, num_stages, p_in_smem=None,
                            pv_accumulation="two_level", interpret=False, lower_only=False, out_dtype=jnp.float32,
                            q_prologue: MosaicQPrologue | None = None, row_sums: str | None = None,
-                           smooth_v: bool | None = None, v_range: tuple | None = None):
+                           smooth_v: bool | None = None, v_range: tuple | None = None,
+                           compute_wgs: int | None = None, turns: str | None = None,
+                           v_heads: tuple[int, int] | None = None):
     """The Mosaic GPU kernel on quantized Q (per 64 rows) and K (per `block_k` keys), (batch, seq, heads, dim) int8
     with scales (batch, seq blocks, heads), and V (batch, kv_len, kv_heads, dim) in a float dtype (the keys past
     `kv_lengths` are zeroed here). Returns `out_dtype` (batch, q_len, heads, dim).
 
-    A CTA (grid: heads, blocks of 128 query rows, batch) runs three warpgroups: two compute warpgroups of 64 query
-    rows each, and a memory warpgroup that streams K and V blocks by TMA into a `num_stages` ring (a "full" barrier
-    per slot for the copies, a "free" barrier per slot that both compute warpgroups arrive at). Each compute
-    warpgroup: S = wgmma(Q int8 from shared memory, K block^T) with int32 accumulation (8-bit wgmma wants both
+    A CTA (grid: heads, blocks of 64 x `compute_wgs` query rows, batch) runs two or three compute warpgroups of 64
+    query rows each and a memory warpgroup that streams K and V blocks by TMA into a `num_stages` ring (a "full"
+    barrier per slot for the copies, a "free" barrier per slot that every compute warpgroup arrives at). Each
+    compute warpgroup: S = wgmma(Q int8 from shared memory, K block^T) with int32 accumulation (8-bit wgmma wants both
     operands K-major: Q (rows, dim) and K (keys, dim) already are), times q_scale * k_scale in float32, the key mask
-    on the last block only, online softmax in base 2, then P.V. A schedule barrier alternates the two warpgroups'
-    wgmmas (FA3's ping-pong) so one's softmax overlaps the other's matrix products.
+    on the last block only, online softmax in base 2, then P.V. The warpgroups take turns issuing their wgmmas
+    (`turns`; FA3's ping-pong for two) so that one's softmax overlaps the others' matrix products.
 
     P.V: "bf16" with P from registers (wgmma's A operand) and V (keys, dim) from shared memory, accumulating into
     the running accumulator in place. "fp8": V^T (dim, keys) E4M3 from shared memory (8-bit B must be K-major, so
@@ -595,6 +606,17 @@ def _int8_attention_mosaic(qi, qs, ki, ks, v, kv_lengths, *, pv, block_k, num_st
     `v_range` (FP8 P.V): V's (max, min, sum) over the valid keys (batch, kv_heads, dim) each, computed before (K's
     sums pass reads them, `_qk_prologue(values=...)`), from which V's scales and means come; None: from V here.
 
+    `v_heads` (first, count): V is those heads of `v` (a stacked projection), which FP8 P.V's operand pass reads in
+    place.
+
+    `compute_wgs` (None: `_compute_wgs`' choice): compute warpgroups a CTA, 2 or 3 (64 query rows each; 3 leaves
+    each 160 registers a thread). `turns` (None: "pairs" for two, "ring" for three): how the warpgroups share the
+    tensor cores. "pairs" (two only; FA3's ping-pong): a two-party barrier after each Q.K^T issue and before each
+    P.V makes one warpgroup's softmax run while the other's matrix products do, never both softmaxes at once.
+    "ring": a warpgroup issues its block's P.V and the next block's Q.K^T only after the one before it in the ring
+    issued its own, then passes the turn on; softmaxes may overlap one another. Measured (session 16, Krea 2's
+    fused call alone): three in a ring 599 us, three in no order at all 647, two in pairs 638 (outputs equal).
+
     `lower_only`: return the lowered (cuda) computation instead of running it; CPU tests use it to check that the
     real Mosaic lowering accepts every variant.
     """
@@ -608,6 +630,13 @@ def _int8_attention_mosaic(qi, qs, ki, ks, v, kv_lengths, *, pv, block_k, num_st
     sk, hk = ki.shape[1], ki.shape[2]
     group = h // hk
     rows = MOSAIC_ROWS
+    wgs = _compute_wgs(pv, d, sq, interpret) if compute_wgs is None else compute_wgs
+    if wgs not in (2, 3):
+        raise ValueError(f"mosaic attention: compute_wgs must be 2 or 3, got {wgs}")
+    memory_registers = 40 if wgs == 2 else 24
+    turns = ("pairs" if wgs == 2 else "ring") if turns is None else turns
+    if turns not in ("pairs", "ring") or (turns == "pairs" and wgs != 2):
+        raise ValueError(f"mosaic attention: turns={turns!r} with {wgs} compute warpgroups ('pairs' takes two)")
     if d % 64 or d > 256 or block_k % 64 or block_k > 256:
         raise ValueError(f"mosaic attention: head_dim {d} and block_k {block_k} must be multiples of 64, at most 256")
     if q_prologue is None and qs.shape[1] != pl.cdiv(sq, rows):
@@ -637,20 +666,20 @@ def _int8_attention_mosaic(qi, qs, ki, ks, v, kv_lengths, *, pv, block_k, num_st
     if smooth_v and pv != "fp8":
         raise ValueError("smooth_v takes FP8 P.V")
     sum_cols = 8  # wgmma's narrowest N
-    pad_q, pad_k = (-sq) % (2 * rows), (-sk) % block_k
-    n_q, n_k = (sq + pad_q) // (2 * rows), (sk + pad_k) // block_k
+    pad_q, pad_k = (-sq) % (wgs * rows), (-sk) % block_k
+    n_q, n_k = (sq + pad_q) // (wgs * rows), (sk + pad_k) // block_k
     stages = max(1, min(num_stages, n_k))
     lengths = _key_lengths(kv_lengths, b, sk)
     tail_masked = kv_lengths is not None or pad_k > 0  # else no key of any block is masked
-    qi = jnp.pad(qi, ((0, 0), (0, pad_q), (0, 0), (0, 0)))  # (a copy only where the rows are no multiple of 128)
+    qi = jnp.pad(qi, ((0, 0), (0, pad_q), (0, 0), (0, 0)))  # (a copy only where the rows fill no whole CTA)
     ki = jnp.pad(ki, ((0, 0), (0, pad_k), (0, 0), (0, 0)))
     if q_prologue is None:  # scales read as scalars from global memory: (batch, heads, blocks); padding's are 1
-        qs = jnp.pad(qs, ((0, 0), (0, 2 * n_q - qs.shape[1]), (0, 0)), constant_values=1.0).transpose(0, 2, 1)
+        qs = jnp.pad(qs, ((0, 0), (0, wgs * n_q - qs.shape[1]), (0, 0)), constant_values=1.0).transpose(0, 2, 1)
         q_tables = ()
     else:  # the rotary tables and the norm's weight, copied in with the raw Q tile
         qs = jnp.zeros((1,), jnp.float32)
         q_tables = tuple(jnp.pad(t, ((0, 0), (0, pad_q), (0, 0))) for t in q_prologue.tables(b, sq)) + (
-            jnp.broadcast_to(q_prologue.weight(), (2, d)),)  # a copy for each compute warpgroup's slot
+            jnp.broadcast_to(q_prologue.weight(), (wgs, d)),)  # a copy for each compute warpgroup's slot
     ks = ks.transpose(0, 2, 1)
     if pv == "fp8":
         def v_operand(v):
@@ -658,12 +687,15 @@ def _int8_attention_mosaic(qi, qs, ki, ks, v, kv_lengths, *, pv, block_k, num_st
             P's registers read as the 8-bit operand layout order the keys so (`_p_as_8bit_operand`)."""
             scale_and_mean = None if v_range is None else _v_fp8_scale_and_mean_of_range(*v_range, lengths, smooth_v)
             vt, scale, mean = v_fp8_operand(v, block_k, permute_keys=not p_in_smem, kv_lengths=kv_lengths,
-                                            interpret=interpret, smooth=smooth_v, scale_and_mean=scale_and_mean)
+                                            interpret=interpret, smooth=smooth_v, scale_and_mean=scale_and_mean,
+                                            heads=v_heads)
             return vt, jnp.stack([scale, mean], axis=2)
 
         v_block, v_transforms, p_dtype = (d, block_k), _mosaic_transforms(1, block_k), jnp.float8_e4m3fn
     else:
         def v_operand(v):  # the scales are not read: bf16 V is not scaled
+            if v_heads is not None:
+                v = v[:, :, v_heads[0]:v_heads[0] + v_heads[1]]
             return (jnp.pad(_masked_values(v, kv_lengths, jnp.bfloat16), ((0, 0), (0, pad_k), (0, 0), (0, 0))),
                     jnp.ones((b, hk, 2, d), jnp.float32))
 
@@ -676,8 +708,13 @@ def _int8_attention_mosaic(qi, qs, ki, ks, v, kv_lengths, *, pv, block_k, num_st
     kernel_out = jnp.dtype(out_dtype)
 
     def kernel(q_gmem, qs_gmem, k_gmem, ks_gmem, v_gmem, vs_gmem, len_gmem, tables, ones_gmem, o_gmem, scoped):
-        (q_smem, k_smem, v_smem, p_smem, o_smem), (q_full, k_full, v_full), (k_free, v_free), schedule, \
-            table_smem, table_full, ones_smem, ones_full = scoped
+        (q_alloc, k_smem, v_smem, p_smem, o_smem), (q_full, k_full, v_full), (k_free, v_free), turn, \
+            w_smem, table_full, tables_read, ones_smem, ones_full = scoped
+        if q_prologue is None:
+            q_smem, table_smem = q_alloc, None
+        else:  # INT8 Q shares the tables' memory (see `entry`)
+            (cos_smem, sin_smem), q_smem = q_alloc
+            table_smem = (cos_smem, sin_smem, w_smem)
         # raw Q's tiles arrive in the output tiles' buffer (Q is read before the key loop, the output written after
         # it): a buffer of their own would leave bf16 P.V with the tables too little shared memory
         q_raw_smem = o_smem
@@ -687,17 +724,29 @@ def _int8_attention_mosaic(qi, qs, ki, ks, v, kv_lengths, *, pv, block_k, num_st
         length = len_gmem[batch]
         steps = (length + block_k - 1) // block_k  # only the key blocks holding valid keys
 
-        def schedule_barrier():
-            plgpu.barrier_arrive(schedule)
-            plgpu.barrier_wait(schedule)
+        # The tensor cores' turns ("ring"): a warpgroup waits for its turn (`turn.at[wg]`) before its block's P.V
+        # and the next block's Q.K^T, and passes it to the next warpgroup once they are issued. ("pairs": one
+        # two-party barrier, `turn`, that both warpgroups arrive at and wait for.)
+        def wait_turn():
+            plgpu.barrier_wait(turn.at[wg] if turns == "ring" else turn)
 
-        @pl.when(wg < 2)
+        def pass_turn():
+            if turns == "ring":
+                plgpu.barrier_arrive(turn.at[lax.rem(wg + 1, wgs)])
+            else:
+                plgpu.barrier_arrive(turn)
+
+        def schedule_barrier():  # "pairs"
+            pass_turn()
+            wait_turn()
+
+        @pl.when(wg < wgs)
         def _compute():
-            plgpu.set_max_registers(compute_registers(2), action="increase")
-            row0 = q_block * (2 * rows) + wg * rows
+            plgpu.set_max_registers(compute_registers(wgs, memory_registers), action="increase")
+            row0 = q_block * (wgs * rows) + wg * rows
             if q_prologue is None:
                 plgpu.copy_gmem_to_smem(q_gmem.at[batch, pl.ds(row0, rows), head], q_smem.at[wg], q_full.at[wg])
-                q_scale = qs_gmem[batch, head, q_block * 2 + wg] * log2e  # logits in base 2: exp2 below
+                q_scale = qs_gmem[batch, head, q_block * wgs + wg] * log2e  # logits in base 2: exp2 below
                 plgpu.barrier_wait(q_full.at[wg])
             else:  # per-row scales (rows,), in the layout of the logits' row reductions
                 plgpu.copy_gmem_to_smem(q_gmem.at[batch, pl.ds(row0, rows), head], q_raw_smem.at[wg],
@@ -709,8 +758,13 @@ def _int8_attention_mosaic(qi, qs, ki, ks, v, kv_lengths, *, pv, block_k, num_st
                     plgpu.copy_gmem_to_smem(src, dst.at[wg], full.at[wg])
                 for full in (q_full, *table_full):
                     plgpu.barrier_wait(full.at[wg])
+                def all_tables_read():  # by every compute warpgroup: INT8 Q is written over them
+                    plgpu.commit_smem()  # (a warpgroup barrier: its threads' loads are done)
+                    plgpu.barrier_arrive(tables_read)
+                    plgpu.barrier_wait(tables_read)
+
                 q_scale = _mosaic_q_prologue(q_raw_smem.at[wg], q_smem.at[wg], *(ref.at[wg] for ref in table_smem),
-                                             q_prologue, interpret) * log2e
+                                             q_prologue, interpret, before_store=all_tables_read) * log2e
             m = plgpu.layout_cast(jnp.full((rows,), -jnp.inf, jnp.float32), wgmma_layout.reduce(1))
             if row_sums_by_wgmma:  # the ones operand, a copy a warpgroup; l is a (rows, 8) accumulator
                 plgpu.copy_gmem_to_smem(ones_gmem, ones_smem.at[wg], ones_full.at[wg])
@@ -724,7 +778,10 @@ def _int8_attention_mosaic(qi, qs, ki, ks, v, kv_lengths, *, pv, block_k, num_st
             def _():
                 plgpu.barrier_wait(k_full.at[0])
 
-            pl.when(wg == 1)(schedule_barrier)
+            if turns == "pairs":
+                pl.when(wg == 1)(schedule_barrier)
+            else:
+                pl.when(wg > 0)(wait_turn)  # the first Q.K^T: warpgroup 0 starts with the turn
 
             def softmax(s, j, m, l, masked):
                 """Block j's int32 logits -> (P in the P.V dtype, running max, running sum, rescale factor)."""
@@ -754,7 +811,10 @@ def _int8_attention_mosaic(qi, qs, ki, ks, v, kv_lengths, *, pv, block_k, num_st
 
                 def qk(acc_ref):
                     plgpu.wgmma(acc_ref, q_smem.at[wg], k_smem.at[slot].transpose((1, 0)))
-                    schedule_barrier()
+                    if turns == "pairs":  # and wait until the other warpgroup's softmax is done
+                        schedule_barrier()
+                    else:
+                        pass_turn()
                     return acc_ref[...]
 
                 s = pl.run_scoped(qk, plgpu.ACC((rows, block_k), jnp.int32))
@@ -770,9 +830,10 @@ def _int8_attention_mosaic(qi, qs, ki, ks, v, kv_lengths, *, pv, block_k, num_st
                     acc, l, m, alpha = lax.optimization_barrier((acc, l, m, alpha))
                 else:  # the softmax completes before the barriers below (FA3's ordering, measured faster there)
                     acc, l, m, alpha, p = lax.optimization_barrier((acc, l, m, alpha, p))
-                plgpu.barrier_arrive(schedule)  # softmax done
+                if turns == "pairs":
+                    pass_turn()  # softmax done
                 plgpu.barrier_wait(v_full.at[slot])
-                plgpu.barrier_wait(schedule)  # the other warpgroup's matrix products are issued
+                wait_turn()  # the warpgroup before this one issued its matrix products
 
                 def wait_next_k():
                     @pl.when(j + 1 < steps)
@@ -817,7 +878,11 @@ def _int8_attention_mosaic(qi, qs, ki, ks, v, kv_lengths, *, pv, block_k, num_st
             else:
                 carry = lax.fori_loop(0, steps, functools.partial(step, masked=False), carry)
             acc, m, l = carry
-            pl.when(wg == 0)(schedule_barrier)
+            if turns == "pairs":
+                pl.when(wg == 0)(schedule_barrier)
+            else:  # after the last P.V; warpgroup 0 takes the turn that comes back (every pass waited)
+                pass_turn()
+                pl.when(wg == 0)(wait_turn)
             if row_sums_by_wgmma:
                 l = l.sum(axis=1)  # the ones column's; the other seven are zero
             out = acc * lax.broadcast_in_dim(1.0 / l, acc.shape, [0])
@@ -832,9 +897,9 @@ def _int8_attention_mosaic(qi, qs, ki, ks, v, kv_lengths, *, pv, block_k, num_st
             plgpu.copy_smem_to_gmem(o_smem.at[wg], o_gmem.at[batch, pl.ds(row0, rows), head])
             plgpu.wait_smem_to_gmem(0)
 
-        @pl.when(wg == 2)
+        @pl.when(wg == wgs)
         def _memory():
-            plgpu.set_max_registers(40, action="decrease")
+            plgpu.set_max_registers(memory_registers, action="decrease")
 
             def v_slice(j):
                 if pv == "fp8":
@@ -871,43 +936,48 @@ def _int8_attention_mosaic(qi, qs, ki, ks, v, kv_lengths, *, pv, block_k, num_st
         *inputs, o_gmem = rest
         tables, ones_gmem = inputs[:len(q_tables)], (inputs[len(q_tables)] if row_sums_by_wgmma else None)
         int8_transforms = _mosaic_transforms(1, d)
+        q_alloc = plgpu.SMEM((wgs, rows, d), jnp.int8, transforms=int8_transforms)
+        if q_prologue is None:
+            tables_scoped = (None, None, None)
+        else:
+            # cos, sin (one value a pair, `_pair_table_order`) and the norm's weight, a slot each warpgroup. INT8 Q
+            # takes the tables' memory once every warpgroup has read its own (`tables_read`): with three compute
+            # warpgroups their own memory would not fit (244944 > 232448 bytes at head_dim 128).
+            half_transforms = _mosaic_transforms(4, d // 2)
+            q_alloc = plgpu.RefUnion((plgpu.SMEM((wgs, rows, d // 2), jnp.float32, transforms=half_transforms),
+                                      plgpu.SMEM((wgs, rows, d // 2), jnp.float32, transforms=half_transforms)),
+                                     q_alloc)
+            tables_scoped = (plgpu.SMEM((wgs, d), jnp.float32), (plgpu.Barrier(num_barriers=wgs),) * 3,
+                             plgpu.Barrier(num_arrivals=wgs))
         smem = [
-            plgpu.SMEM((2, rows, d), jnp.int8, transforms=int8_transforms),
+            q_alloc,
             plgpu.SMEM((stages, block_k, d), jnp.int8, transforms=int8_transforms),
             plgpu.SMEM((stages, *v_block), p_dtype, transforms=v_transforms),
-            plgpu.SMEM((2, rows, block_k), p_dtype, transforms=_mosaic_transforms(jnp.dtype(p_dtype).itemsize,
-                                                                                   block_k)) if p_in_smem else None,
-            plgpu.SMEM((2, rows, d), kernel_out, transforms=_mosaic_transforms(jnp.dtype(kernel_out).itemsize, d)),
+            plgpu.SMEM((wgs, rows, block_k), p_dtype, transforms=_mosaic_transforms(jnp.dtype(p_dtype).itemsize,
+                                                                                     block_k)) if p_in_smem else None,
+            plgpu.SMEM((wgs, rows, d), kernel_out, transforms=_mosaic_transforms(jnp.dtype(kernel_out).itemsize, d)),
         ]
-        if q_prologue is None:
-            tables_scoped = (None, None)
-        else:  # cos, sin (one value a pair, `_pair_table_order`) and the norm's weight, a slot each warpgroup
-            half_transforms = _mosaic_transforms(4, d // 2)
-            tables_scoped = ((plgpu.SMEM((2, rows, d // 2), jnp.float32, transforms=half_transforms),
-                              plgpu.SMEM((2, rows, d // 2), jnp.float32, transforms=half_transforms),
-                              plgpu.SMEM((2, d), jnp.float32)),
-                             (plgpu.Barrier(num_barriers=2),) * 3)
         pl.run_scoped(
             lambda *scoped: kernel(q_gmem, qs_gmem, k_gmem, ks_gmem, v_gmem, vs_gmem, len_gmem, tables, ones_gmem,
                                    o_gmem, scoped),
             smem,
-            (plgpu.Barrier(num_barriers=2), plgpu.Barrier(num_barriers=stages), plgpu.Barrier(num_barriers=stages)),
-            (plgpu.Barrier(num_arrivals=2, num_barriers=stages),) * 2,
-            plgpu.Barrier(num_arrivals=2),
+            (plgpu.Barrier(num_barriers=wgs), plgpu.Barrier(num_barriers=stages), plgpu.Barrier(num_barriers=stages)),
+            (plgpu.Barrier(num_arrivals=wgs, num_barriers=stages),) * 2,
+            plgpu.Barrier(num_arrivals=2) if turns == "pairs" else plgpu.Barrier(num_barriers=wgs),  # the turns
             *tables_scoped,
-            plgpu.SMEM((2, sum_cols, block_k), jnp.float8_e4m3fn, transforms=_mosaic_transforms(1, block_k))
+            plgpu.SMEM((wgs, sum_cols, block_k), jnp.float8_e4m3fn, transforms=_mosaic_transforms(1, block_k))
             if row_sums_by_wgmma else None,
-            plgpu.Barrier(num_barriers=2) if row_sums_by_wgmma else None,
+            plgpu.Barrier(num_barriers=wgs) if row_sums_by_wgmma else None,
             collective_axes="wg",
         )
 
     entry.__name__ = "int8_attention"  # what profiles list
     call = plgpu.kernel(
         entry,
-        out_type=jax.ShapeDtypeStruct((b, 2 * n_q * rows, h, d), kernel_out),
+        out_type=jax.ShapeDtypeStruct((b, wgs * n_q * rows, h, d), kernel_out),
         grid=(h, n_q, b),
         grid_names=("heads", "q_seq", "batch"),
-        num_threads=3,
+        num_threads=wgs + 1,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=plgpu.InterpretGPUParams() if interpret else None,
@@ -1234,6 +1304,25 @@ def int8_attention_fused_stacked(qkv, num_heads: int, num_kv_heads: int, norm_q,
 # "adds" or "wgmma" (session 13: the kernel 583 -> 554 us at 4224 tokens, the same error).
 MOSAIC_ROW_SUMS = "wgmma"
 
+# Compute warpgroups a CTA of the Mosaic kernel (`_int8_attention_mosaic`'s `compute_wgs`); None: `_compute_wgs`'
+# choice (3 where it measured faster). Session 16 at Krea 2's 4224 tokens, FP8 P.V, the fused call alone at the cap:
+# 644 us with 2, 610 with 3 (Q made in the kernel; outputs equal to the bit; 599 with V then read in place); the fp8
+# step A B B A 0.1052 / 0.1048 / 0.1041 / 0.1057 s (2, 3, 3, 2).
+MOSAIC_COMPUTE_WGS = None
+
+
+def _compute_wgs(pv: str, head_dim: int, q_len: int, interpret: bool) -> int:
+    """Three compute warpgroups for FP8 P.V at head_dim <= 128 (the accumulator and the logits fit 160 registers a
+    thread; bf16 V's tiles would not fit in shared memory beside the Q prologue's tables) where 192-row CTAs pad
+    the queries no more than 128-row ones; else two. Two in interpret mode: on this project's 2-core CI machine the
+    Mosaic GPU interpreter never started a kernel's fourth thread (the three-warpgroup kernel hung there; it runs
+    on the GPU, equal to two warpgroups' to the bit)."""
+    if MOSAIC_COMPUTE_WGS is not None:
+        return MOSAIC_COMPUTE_WGS
+    rows = MOSAIC_ROWS
+    fits = pv == "fp8" and head_dim <= 128 and not interpret
+    return 3 if fits and (-q_len) % (3 * rows) <= (-q_len) % (2 * rows) else 2
+
 # The Mosaic kernel's FP8 P.V subtracts V's channel means and adds them back (`_int8_attention_mosaic`'s `smooth_v`).
 MOSAIC_SMOOTH_V = True
 
@@ -1263,15 +1352,15 @@ def _mosaic_with_q_in_kernel(q_src, num_heads, k_src, k_heads, v_src, v_first, n
         raise ValueError(f"the mosaic backend quantizes Q per row in blocks of {MOSAIC_ROWS} (one warpgroup): "
                          f"block_q must be {MOSAIC_ROWS}, got {block_q}")
     hk = k_heads[1]
-    v = v_src[:, :, v_first:v_first + hk]
     values = (v_src, (v_first, hk)) if pv == "fp8" and MOSAIC_V_RANGE_IN_K_SUMS else None
     _, _, ki, ks, *v_range = _qk_prologue(q_src, (0, num_heads), k_src, k_heads, norm_q, norm_k, eps, cos, sin,
                                           kv_lengths, scale=scale, block_q=block_q, block_k=block_k, smooth_k=True,
                                           interpret=interpret, k_only=True, values=values)
-    return _int8_attention_mosaic(q_src, None, ki, ks, v, kv_lengths, pv=pv, block_k=block_k, num_stages=num_stages,
-                                  interpret=interpret, out_dtype=out_dtype, pv_accumulation=pv_accumulation,
+    return _int8_attention_mosaic(q_src, None, ki, ks, v_src, kv_lengths, pv=pv, block_k=block_k,
+                                  num_stages=num_stages, interpret=interpret, out_dtype=out_dtype,
+                                  pv_accumulation=pv_accumulation,
                                   q_prologue=MosaicQPrologue(norm_q, eps, cos, sin, scale, num_heads),
-                                  v_range=v_range[0] if v_range else None)
+                                  v_range=v_range[0] if v_range else None, v_heads=(v_first, hk))
 
 
 def _fused_attention(qi, qs, ki, ks, v, kv_lengths, **options):

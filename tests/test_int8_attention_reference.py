@@ -403,6 +403,26 @@ def test_v_fp8_operand_zeroes_masked_keys_read_as_they_are():
     assert not np.asarray(got[0][1:, :, :, 32:].astype(jnp.float32)).any()
 
 
+@pytest.mark.parametrize("keys", [64, 50])
+def test_v_fp8_operand_reads_heads_of_a_stacked_source_in_place(keys):
+    """`heads=(first, count)`: V's heads read in place from a wider (stacked) source, with precomputed scales and
+    means (the models' path) or without, keys a whole number of blocks or not (then padded): the same operand as
+    the sliced V gives."""
+    from mxdit.pallas_kernels.attention import _v_fp8_scale_and_mean, v_fp8_operand
+
+    stacked = jax.random.normal(jax.random.key(5), (2, keys, 7, 32)).astype(jnp.bfloat16)
+    lengths = jnp.asarray([keys, 21])
+    v = stacked[:, :, 3:5]
+    scale_and_mean = _v_fp8_scale_and_mean(v, lengths, True)
+    for given in (None, scale_and_mean):
+        options = dict(permute_keys=True, kv_lengths=lengths, interpret=True, smooth=True, scale_and_mean=given)
+        got = v_fp8_operand(stacked, 32, heads=(3, 2), **options)
+        want = v_fp8_operand(v, 32, **options)
+        assert got[0].shape == (2, 2, 32, 64)
+        for a, b in zip(got, want):
+            np.testing.assert_array_equal(np.asarray(a.astype(jnp.float32)), np.asarray(b.astype(jnp.float32)))
+
+
 @pytest.mark.usefixtures("hopper")
 def test_mosaic_backend_names_its_limits():
     from mxdit.pallas_kernels.attention import int8_attention
@@ -621,8 +641,69 @@ def test_compute_warpgroup_registers_fit_the_sm():
     from mxdit.pallas_kernels.attention import compute_registers
 
     assert compute_registers(2) == 232  # jax's own FA3 kernel uses the same
+    assert compute_registers(3, 24) == 160  # three compute warpgroups, the memory warpgroup keeping 24
     for wgs in (1, 2, 3):
-        assert compute_registers(wgs) % 8 == 0 and wgs * 128 * compute_registers(wgs) + 128 * 40 <= 65536
+        for memory in (24, 40):
+            registers = compute_registers(wgs, memory)
+            assert registers % 8 == 0 and wgs * 128 * registers + 128 * memory <= 65536
+
+
+def test_mosaic_kernel_takes_turns_in_a_ring_as_in_pairs(monkeypatch):
+    """`turns="ring"` (what three compute warpgroups use) with two: the interpreter runs it, and the output is the
+    pairs' schedule's to the bit (the order of the tensor cores' work changes, not the arithmetic)."""
+    import functools
+
+    from mxdit.pallas_kernels import attention as A
+
+    q, k, v = inputs(6, sq=130, sk=200, h=2, hk=2, d=128, k_outlier=20.0)
+    options = dict(kv_lengths=jnp.asarray([200, 77]), pv="fp8", block_k=128, backend="mosaic", interpret=True)
+    pairs = A.int8_attention(q, k, v, **options)
+    monkeypatch.setattr(A, "_int8_attention_mosaic", functools.partial(A._int8_attention_mosaic, compute_wgs=2,
+                                                                       turns="ring"))
+    np.testing.assert_array_equal(np.asarray(A.int8_attention(q, k, v, **options)), np.asarray(pairs))
+
+
+def test_mosaic_compute_warpgroups_choice_and_limits(monkeypatch):
+    """Three compute warpgroups for FP8 P.V at head_dim <= 128 where 192-row CTAs pad no more than 128-row ones (Krea
+    2 at 1024^2: 4224 tokens, no padding either way); two for bf16 P.V, head_dim 256, 4096 tokens (22 x 192 would
+    pad 128 rows) and in interpret mode; `MOSAIC_COMPUTE_WGS` overrides; other counts and pairs of three are named."""
+    from mxdit.pallas_kernels import attention as A
+
+    assert A._compute_wgs("fp8", 128, 4224, False) == 3 and A._compute_wgs("fp8", 64, 4608, False) == 3
+    assert A._compute_wgs("fp8", 128, 4096, False) == 2
+    assert A._compute_wgs("bf16", 128, 4224, False) == A._compute_wgs("fp8", 256, 4224, False) == 2
+    assert A._compute_wgs("fp8", 128, 4224, True) == 2
+    monkeypatch.setattr(A, "MOSAIC_COMPUTE_WGS", 2)
+    assert A._compute_wgs("fp8", 128, 4224, False) == 2
+    q, k, v = inputs(7, sq=192, sk=128, h=2, hk=2, d=64)
+    qi, qs, ki, ks, v32, _ = A._prologue(q, k, v, None, 64, 128, 0.125)
+    for options, message in ((dict(compute_wgs=4), "compute_wgs must be 2 or 3, got 4"),
+                             (dict(compute_wgs=3, turns="pairs"), "'pairs' takes two")):
+        with pytest.raises(ValueError, match=message):
+            A._int8_attention_mosaic(qi, qs, ki, ks, v32, None, pv="fp8", block_k=128, num_stages=2, lower_only=True,
+                                     **options)
+
+
+@pytest.mark.parametrize("d, q_in_kernel", [(128, True), (128, False), (64, True)])
+@pytest.mark.usefixtures("hopper")
+def test_mosaic_kernel_with_three_compute_warpgroups_lowers_for_the_gpu(d, q_in_kernel):
+    """Three compute warpgroups (the default for the models' FP8 P.V): registers, barriers and shared memory (with Q
+    made in the kernel, INT8 Q takes the tables' memory; on its own it would not fit at head_dim 128). The
+    interpreter cannot run it here (`_compute_wgs`); on the GPU its output equals two warpgroups' to the bit
+    (NOTES.md, session 16)."""
+    from mxdit.pallas_kernels import attention as A
+
+    q, k, v, (nq, nk), cos, sin = _raw_projections(7, s=200, d=d)
+    lengths = jnp.asarray([200, 150])
+    q = q.astype(jnp.bfloat16)
+    qi, qs, ki, ks = A._qk_prologue(q, (0, 4), k, (0, 2), nq, nk, 1e-6, cos, sin, lengths, scale=d**-0.5,
+                                    block_q=64, block_k=128, smooth_k=True, interpret=True, k_only=q_in_kernel)
+    options = dict(pv="fp8", block_k=128, num_stages=2, p_in_smem=False, lower_only=True, out_dtype=jnp.bfloat16,
+                   pv_accumulation="in_place", compute_wgs=3)
+    if q_in_kernel:
+        qi, options["q_prologue"] = q, A.MosaicQPrologue(nq, 1e-6, cos, sin, d**-0.5, 4)
+    lowered = A._int8_attention_mosaic(qi, qs, ki, ks, v, lengths, **options)
+    assert "mosaic_gpu" in lowered.as_text()
 
 
 def test_int32_to_biased_float32_by_bits_is_exact_over_the_int8_product_range():
