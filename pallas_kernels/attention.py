@@ -630,7 +630,8 @@ def _int8_attention_mosaic(qi, qs, ki, ks, v, kv_lengths, *, pv, block_k, num_st
     sk, hk = ki.shape[1], ki.shape[2]
     group = h // hk
     rows = MOSAIC_ROWS
-    wgs = _compute_wgs(pv, d, sq, interpret) if compute_wgs is None else compute_wgs
+    float32_q_tiles = q_prologue is not None and jnp.dtype(out_dtype).itemsize > 2
+    wgs = _compute_wgs(pv, d, sq, interpret, float32_q_tiles) if compute_wgs is None else compute_wgs
     if wgs not in (2, 3):
         raise ValueError(f"mosaic attention: compute_wgs must be 2 or 3, got {wgs}")
     memory_registers = 40 if wgs == 2 else 24
@@ -1311,16 +1312,17 @@ MOSAIC_ROW_SUMS = "wgmma"
 MOSAIC_COMPUTE_WGS = None
 
 
-def _compute_wgs(pv: str, head_dim: int, q_len: int, interpret: bool) -> int:
+def _compute_wgs(pv: str, head_dim: int, q_len: int, interpret: bool, float32_q_tiles: bool = False) -> int:
     """Three compute warpgroups for FP8 P.V at head_dim <= 128 (the accumulator and the logits fit 160 registers a
-    thread; bf16 V's tiles would not fit in shared memory beside the Q prologue's tables) where 192-row CTAs pad
-    the queries no more than 128-row ones; else two. Two in interpret mode: on this project's 2-core CI machine the
+    thread) where 192-row CTAs pad the queries no more than 128-row ones; else two. Shared memory rules out bf16
+    P.V (V's tiles) and, at head_dim 128, `float32_q_tiles` (Q made in the kernel from float32 tiles, which use the
+    output's: 269528 > 232448 bytes). Two in interpret mode: on this project's 2-core CI machine the
     Mosaic GPU interpreter never started a kernel's fourth thread (the three-warpgroup kernel hung there; it runs
     on the GPU, equal to two warpgroups' to the bit)."""
     if MOSAIC_COMPUTE_WGS is not None:
         return MOSAIC_COMPUTE_WGS
     rows = MOSAIC_ROWS
-    fits = pv == "fp8" and head_dim <= 128 and not interpret
+    fits = pv == "fp8" and head_dim <= (64 if float32_q_tiles else 128) and not interpret
     return 3 if fits and (-q_len) % (3 * rows) <= (-q_len) % (2 * rows) else 2
 
 # The Mosaic kernel's FP8 P.V subtracts V's channel means and adds them back (`_int8_attention_mosaic`'s `smooth_v`).

@@ -673,6 +673,9 @@ def test_mosaic_compute_warpgroups_choice_and_limits(monkeypatch):
     assert A._compute_wgs("fp8", 128, 4096, False) == 2
     assert A._compute_wgs("bf16", 128, 4224, False) == A._compute_wgs("fp8", 256, 4224, False) == 2
     assert A._compute_wgs("fp8", 128, 4224, True) == 2
+    # Q made in the kernel from float32 tiles (a float32 output): three fit in shared memory at head_dim 64 only
+    assert A._compute_wgs("fp8", 128, 4224, False, float32_q_tiles=True) == 2
+    assert A._compute_wgs("fp8", 64, 4224, False, float32_q_tiles=True) == 3
     monkeypatch.setattr(A, "MOSAIC_COMPUTE_WGS", 2)
     assert A._compute_wgs("fp8", 128, 4224, False) == 2
     q, k, v = inputs(7, sq=192, sk=128, h=2, hk=2, d=64)
@@ -684,26 +687,31 @@ def test_mosaic_compute_warpgroups_choice_and_limits(monkeypatch):
                                      **options)
 
 
-@pytest.mark.parametrize("d, q_in_kernel", [(128, True), (128, False), (64, True)])
+@pytest.mark.parametrize("d, q_in_kernel, out_dtype", [(128, True, jnp.bfloat16), (128, False, jnp.bfloat16),
+                                                       (64, True, jnp.bfloat16), (64, True, jnp.float32),
+                                                       (128, True, jnp.float32)])
 @pytest.mark.usefixtures("hopper")
-def test_mosaic_kernel_with_three_compute_warpgroups_lowers_for_the_gpu(d, q_in_kernel):
-    """Three compute warpgroups (the default for the models' FP8 P.V): registers, barriers and shared memory (with Q
-    made in the kernel, INT8 Q takes the tables' memory; on its own it would not fit at head_dim 128). The
-    interpreter cannot run it here (`_compute_wgs`); on the GPU its output equals two warpgroups' to the bit
-    (NOTES.md, session 16)."""
+def test_mosaic_kernel_with_the_default_compute_warpgroups_lowers_for_the_gpu(d, q_in_kernel, out_dtype):
+    """192 query rows, FP8 P.V: three compute warpgroups by default (the models' case), but two where Q is made in
+    the kernel from float32 tiles at head_dim 128 (three would overflow shared memory); registers, barriers and
+    shared memory (with Q made in the kernel, INT8 Q takes the tables' memory). The interpreter cannot run three
+    here (`_compute_wgs`); on the GPU their output equals two warpgroups' to the bit (NOTES.md, session 16)."""
     from mxdit.pallas_kernels import attention as A
 
-    q, k, v, (nq, nk), cos, sin = _raw_projections(7, s=200, d=d)
-    lengths = jnp.asarray([200, 150])
-    q = q.astype(jnp.bfloat16)
+    q, k, v, (nq, nk), cos, sin = _raw_projections(7, s=192, d=d)
+    lengths = jnp.asarray([192, 150])
+    q = q.astype(out_dtype)
     qi, qs, ki, ks = A._qk_prologue(q, (0, 4), k, (0, 2), nq, nk, 1e-6, cos, sin, lengths, scale=d**-0.5,
                                     block_q=64, block_k=128, smooth_k=True, interpret=True, k_only=q_in_kernel)
-    options = dict(pv="fp8", block_k=128, num_stages=2, p_in_smem=False, lower_only=True, out_dtype=jnp.bfloat16,
-                   pv_accumulation="in_place", compute_wgs=3)
+    options = dict(pv="fp8", block_k=128, num_stages=2, p_in_smem=False, lower_only=True, out_dtype=out_dtype,
+                   pv_accumulation="in_place")
     if q_in_kernel:
         qi, options["q_prologue"] = q, A.MosaicQPrologue(nq, 1e-6, cos, sin, d**-0.5, 4)
     lowered = A._int8_attention_mosaic(qi, qs, ki, ks, v, lengths, **options)
     assert "mosaic_gpu" in lowered.as_text()
+    if d == 128 and q_in_kernel and out_dtype == jnp.float32:  # the choice above is what makes it fit
+        with pytest.raises(Exception, match="exceeds available shared memory"):
+            A._int8_attention_mosaic(qi, qs, ki, ks, v, lengths, compute_wgs=3, **options)
 
 
 def test_int32_to_biased_float32_by_bits_is_exact_over_the_int8_product_range():
