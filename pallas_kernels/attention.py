@@ -1054,6 +1054,13 @@ PROLOGUE_WARPS = (16, 8)
 # 16: 91.3); K 31.0 with one head and 8 warps, 57.4 with 4 and 8 warps.
 PROLOGUE_HEADS = (4, 1)
 
+# K's INT8 steps from its sums pass (`_qk_prologue`): the pass also writes each block's per-channel max and min,
+# from which the steps follow exactly (`_block_steps_of_range`), and the K pass then quantizes `K_PASS_ROWS` tokens a
+# program with no reduction over the block (the K pass, 128 x 128 a program, one program an SM, is latency-bound:
+# ~40 us a call for 20 MB, session 15). Not timed on the GPU yet: off.
+K_STEPS_FROM_SUMS = False
+K_PASS_ROWS = 32
+
 
 def _qk_prologue(q_src, q_heads, k_src, k_heads, norm_q, norm_k, eps, cos, sin, kv_lengths, *, scale, block_q,
                  block_k, smooth_k, interpret, heads_per_program: int | None = None, num_warps: int | None = None,
@@ -1075,22 +1082,39 @@ def _qk_prologue(q_src, q_heads, k_src, k_heads, norm_q, norm_k, eps, cos, sin, 
     k_mean = jnp.zeros((b, hk, d), jnp.float32)  # in `_deinterleave`'s channel order, as the kernel writes K
     if values is not None and (not smooth_k or values[1][1] != hk):
         raise ValueError(f"_qk_prologue: V's range comes with K smoothing's sums, for as many heads as K ({hk})")
+    k_steps = None
     if smooth_k:  # the normed, rotated K summed over the valid keys of each block by a pass of the same kernel
+        key_range = K_STEPS_FROM_SUMS
         sums = kernel(k_src, norm_k, eps, cos, sin, None, lengths, 1.0, block_k, interpret, heads=k_heads,
                       num_warps=k_warps, heads_per_program=k_group, block_sums=True,
-                      values=None if values is None else (values[0], values[1][0]))
+                      values=None if values is None else (values[0], values[1][0]), key_range=key_range)
+        sums, *extra = sums if isinstance(sums, tuple) else (sums,)
         if values is not None:
-            sums, v_range = sums
+            v_range = extra.pop(0)
             v_range = (v_range[:, :, :, 0].max(axis=1), v_range[:, :, :, 1].min(axis=1), v_range[:, :, :, 2].sum(axis=1))
         k_mean = jnp.sum(sums, axis=1) / jnp.maximum(valid.sum(axis=1), 1)[:, None, None]
+        if key_range:
+            k_steps = _block_steps_of_range(extra.pop(0), k_mean)
     qi = qs = None
     if not k_only:
         q_mean = jnp.zeros((b, h, d), jnp.float32)
         qi, qs = kernel(q_src, norm_q, eps, cos, sin, q_mean, None, scale, block_q, interpret, heads=q_heads,
                         num_warps=q_warps, heads_per_program=q_group)
     ki, ks = kernel(k_src, norm_k, eps, cos, sin, k_mean, lengths, 1.0, block_k, interpret,
-                    heads=k_heads, num_warps=k_warps, heads_per_program=k_group, natural_order=k_only)
+                    heads=k_heads, num_warps=k_warps, heads_per_program=k_group, natural_order=k_only,
+                    steps=k_steps)
     return (qi, qs, ki, ks) if values is None else (qi, qs, ki, ks, v_range)
+
+
+def _block_steps_of_range(key_range: jax.Array, mean: jax.Array) -> jax.Array:
+    """INT8 steps (batch, blocks, heads) of K smoothed by `mean` (batch, heads, dim) from each block's per-channel
+    max and min of the valid keys (batch, blocks, heads, 2, dim): max |x - m| over a block's keys is max(hi - m,
+    m - lo) channel by channel, exactly (float32 subtraction of m is monotonic, and its rounding symmetric), so these
+    are the steps the K pass would find by reducing over its tile (0 where no key is valid: step 1)."""
+    m = mean[:, None]
+    amax = jnp.max(jnp.maximum(key_range[:, :, :, 0] - m, m - key_range[:, :, :, 1]), axis=-1)
+    amax = jnp.maximum(amax, 0.0)
+    return jnp.where(amax > 0, amax / 127.0, 1.0)
 
 
 def _round_half_even(x: jax.Array) -> jax.Array:
@@ -1104,7 +1128,8 @@ def _round_half_even(x: jax.Array) -> jax.Array:
 def _rms_rope_quantize(x, weight, eps, cos_half, sin_half, mean, lengths, multiplier, block, interpret,
                        num_warps: int = 8, heads: tuple[int, int] | None = None, heads_per_program: int = 1,
                        split_pairs: bool = False, block_sums: bool = False, natural_order: bool = False,
-                       values: tuple[jax.Array, int] | None = None):
+                       values: tuple[jax.Array, int] | None = None, key_range: bool = False,
+                       steps: jax.Array | None = None, rows_per_program: int | None = None):
     """The kernel: a program per (batch, block of `block` tokens, group of `heads_per_program` heads; fewer when the
     heads or their first one are no multiple of it). 8 warps: half the registers a thread holds of the (block,
     head_dim) tile, twice the occupancy: 270 vs 549 us for Krea 2's Q at 4224 tokens (NOTES.md). A group's heads are
@@ -1122,14 +1147,23 @@ def _rms_rope_quantize(x, weight, eps, cos_half, sin_half, mean, lengths, multip
     heads as many as x's and read in place; the same programs also give V's range over each block's valid tokens,
     (batch, blocks, heads, 3, head_dim) float32 max, min and sum, returned after the sums (FP8 P.V's scales and
     means, `_v_fp8_scale_and_mean_of_range`: an XLA reduction over V took 19 us a call at Krea 2's size, session 15's
-    profile, where these programs read V in a few)."""
+    profile, where these programs read V in a few). `key_range` (block_sums only): also each block's per-channel max
+    and min of the normed, rotated valid keys, (batch, blocks, heads, 2, head_dim) in the sums' order, returned
+    last. `steps` (quantizing only): the blocks' INT8 steps (batch, blocks, heads) given (`_block_steps_of_range`),
+    so that a program needs no reduction over its block: it then takes `rows_per_program` tokens (None:
+    `K_PASS_ROWS`; a power of two dividing `block`) and the steps are returned as the scales."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import triton as pltriton
 
     b, s, _, d = x.shape
     first, h = heads if heads is not None else (0, x.shape[2])
-    if values is not None and not block_sums:
-        raise ValueError("_rms_rope_quantize: V's range (values) comes with block_sums")
+    if (values is not None or key_range) and not block_sums:
+        raise ValueError("_rms_rope_quantize: V's range (values) and K's (key_range) come with block_sums")
+    if steps is not None and block_sums:
+        raise ValueError("_rms_rope_quantize: steps are given to the quantizing pass, not to block_sums")
+    tile = block if steps is None else (K_PASS_ROWS if rows_per_program is None else rows_per_program)
+    if block % tile or tile & (tile - 1):
+        raise ValueError(f"_rms_rope_quantize: rows_per_program {tile} must be a power of two dividing {block}")
     v_src, v_first = values if values is not None else (None, 0)
     # a power of two (Triton's block shapes) dividing the heads and their first ones
     group = max(g for g in (1, 2, 4, 8, 16)
@@ -1155,11 +1189,11 @@ def _rms_rope_quantize(x, weight, eps, cos_half, sin_half, mean, lengths, multip
         """One head's (block, half) real and imaginary parts after the norm and the rotation."""
         one = pl.ds(head, 1)  # (a slice of one, not an integer: interpret mode's strided loads take only slices)
         if split_pairs:  # one contiguous load, the (real, imaginary) pairs split in registers
-            pairs = x_ref[:, one, :].reshape(block, d).astype(jnp.float32)
-            even, odd = jnp.split(pairs.reshape(block, half, 2), 2, axis=-1)
+            pairs = x_ref[:, one, :].reshape(tile, d).astype(jnp.float32)
+            even, odd = jnp.split(pairs.reshape(tile, half, 2), 2, axis=-1)
             even, odd = even[..., 0], odd[..., 0]
         else:  # every other channel from 0 and from 1: two strided loads
-            even, odd = (x_ref[:, one, pl.ds(start, half, stride=2)].reshape(block, half).astype(jnp.float32)
+            even, odd = (x_ref[:, one, pl.ds(start, half, stride=2)].reshape(tile, half).astype(jnp.float32)
                          for start in (0, 1))
         inv = jax.lax.rsqrt((jnp.sum(even * even, axis=-1) + jnp.sum(odd * odd, axis=-1)) / d + eps)[:, None]
         even = even * inv * we_ref[...]
@@ -1167,12 +1201,13 @@ def _rms_rope_quantize(x, weight, eps, cos_half, sin_half, mean, lengths, multip
         return even * c - odd * sn, odd * c + even * sn
 
     def tables_and_mask(lengths_ref, c_ref, s_ref):
-        """The tables (block, half), loaded once for the group's heads, and which rows are valid keys (block, 1)."""
+        """The tables (tile, half), loaded once for the group's heads, and which rows are valid keys (tile, 1)."""
         c, sn = c_ref[...], s_ref[...]
-        rows = pl.program_id(1) * block + jax.lax.broadcasted_iota(jnp.int32, (block, 1), 0)
+        rows = pl.program_id(1) * tile + jax.lax.broadcasted_iota(jnp.int32, (tile, 1), 0)
         return c, sn, rows < lengths_ref[pl.program_id(0)]
 
-    def kernel(lengths_ref, x_ref, c_ref, s_ref, we_ref, wo_ref, me_ref, mo_ref, q_ref, scale_ref):
+    def kernel(lengths_ref, x_ref, c_ref, s_ref, we_ref, wo_ref, me_ref, mo_ref, *refs):
+        steps_ref, q_ref, scale_ref = (*refs, None) if steps is not None else (None, *refs)
         c, sn, keep = tables_and_mask(lengths_ref, c_ref, s_ref)
         for head in range(group):  # unrolled: the heads' loads are independent
             one = pl.ds(head, 1)
@@ -1181,24 +1216,36 @@ def _rms_rope_quantize(x, weight, eps, cos_half, sin_half, mean, lengths, multip
             imag = (imag - mo_ref[one, :]) * multiplier
             if masked:  # masked keys are zeroed: they must not enter the block's scale
                 real, imag = jnp.where(keep, real, 0.0), jnp.where(keep, imag, 0.0)
-            amax = jnp.maximum(jnp.max(jnp.abs(real)), jnp.max(jnp.abs(imag)))
-            step = jnp.where(amax > 0, amax / 127.0, 1.0)
+            if steps_ref is None:
+                amax = jnp.maximum(jnp.max(jnp.abs(real)), jnp.max(jnp.abs(imag)))
+                step = jnp.where(amax > 0, amax / 127.0, 1.0)
+            else:
+                step = steps_ref[one]
             parts = [jnp.clip(_round_half_even(v / step), -127, 127).astype(jnp.int8) for v in (real, imag)]
             if natural_order:  # the pairs joined in registers: one contiguous store (strided ones: +12% time)
-                q_ref[:, one, :] = jnp.stack(parts, axis=-1).reshape(block, 1, d)
+                q_ref[:, one, :] = jnp.stack(parts, axis=-1).reshape(tile, 1, d)
             else:  # `_deinterleave`'s order: the halves
                 for start, q in zip((0, half), parts):
-                    q_ref[:, one, pl.ds(start, half)] = q.reshape(block, 1, half)
-            scale_ref[one] = step.reshape(1)
+                    q_ref[:, one, pl.ds(start, half)] = q.reshape(tile, 1, half)
+            if steps_ref is None:
+                scale_ref[one] = step.reshape(1)
 
     def sums_kernel(lengths_ref, x_ref, c_ref, s_ref, we_ref, wo_ref, *refs):
-        v_ref, sum_ref, range_ref = refs if v_src is not None else (None, *refs, None)
+        refs = list(refs)
+        v_ref = refs.pop(0) if v_src is not None else None
+        sum_ref = refs.pop(0)
+        range_ref = refs.pop(0) if v_src is not None else None
+        key_range_ref = refs.pop(0) if key_range else None
         c, sn, keep = tables_and_mask(lengths_ref, c_ref, s_ref)
         for head in range(group):
             one = pl.ds(head, 1)
             real, imag = rotated(x_ref, c, sn, we_ref, wo_ref, head)
             for start, v in ((0, real), (half, imag)):
                 sum_ref[one, pl.ds(start, half)] = jnp.sum(jnp.where(keep, v, 0.0), axis=0)[None]
+                if key_range_ref is not None:
+                    for i, part in enumerate((jnp.max(jnp.where(keep, v, -jnp.inf), axis=0),
+                                              jnp.min(jnp.where(keep, v, jnp.inf), axis=0))):
+                        key_range_ref[one, pl.ds(i, 1), pl.ds(start, half)] = part.reshape(1, 1, half)
             if v_ref is not None:
                 v = v_ref[:, one, :].reshape(block, d).astype(jnp.float32)
                 for i, part in enumerate((jnp.max(jnp.where(keep, v, -jnp.inf), axis=0),
@@ -1208,13 +1255,13 @@ def _rms_rope_quantize(x, weight, eps, cos_half, sin_half, mean, lengths, multip
 
     in_specs = [
         pl.no_block_spec,
-        pl.BlockSpec((None, block, group, d), lambda bi, si, hi: (bi, si, hi + first // group, 0)),
-        pl.BlockSpec((None, block, half), lambda bi, si, hi: (bi, si, 0)),
-        pl.BlockSpec((None, block, half), lambda bi, si, hi: (bi, si, 0)),
+        pl.BlockSpec((None, tile, group, d), lambda bi, si, hi: (bi, si, hi + first // group, 0)),
+        pl.BlockSpec((None, tile, half), lambda bi, si, hi: (bi, si, 0)),
+        pl.BlockSpec((None, tile, half), lambda bi, si, hi: (bi, si, 0)),
         pl.BlockSpec((half,), lambda bi, si, hi: (0,)),
         pl.BlockSpec((half,), lambda bi, si, hi: (0,)),
     ]
-    common = dict(grid=(b, n_blocks, h // group), interpret=interpret,
+    common = dict(grid=(b, (s + pad) // tile, h // group), interpret=interpret,
                   compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=2))
     if block_sums:
         out_specs = [pl.BlockSpec((None, None, group, d), lambda bi, si, hi: (bi, si, hi, 0))]
@@ -1225,18 +1272,31 @@ def _rms_rope_quantize(x, weight, eps, cos_half, sin_half, mean, lengths, multip
             inputs.append(v_src)
             out_specs.append(pl.BlockSpec((None, None, group, 3, d), lambda bi, si, hi: (bi, si, hi, 0, 0)))
             out_shape.append(jax.ShapeDtypeStruct((b, n_blocks, h, 3, d), jnp.float32))
+        if key_range:
+            out_specs.append(pl.BlockSpec((None, None, group, 2, d), lambda bi, si, hi: (bi, si, hi, 0, 0)))
+            out_shape.append(jax.ShapeDtypeStruct((b, n_blocks, h, 2, d), jnp.float32))
         outs = pl.pallas_call(sums_kernel, in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
                               name="rms_rope_sums" if v_src is None else "rms_rope_sums_v_range", **common)(*inputs)
-        return outs[0] if v_src is None else tuple(outs)
+        return outs[0] if len(outs) == 1 else tuple(outs)
+    vector_specs = [pl.BlockSpec((None, group, half), lambda bi, si, hi: (bi, hi, 0)),
+                    pl.BlockSpec((None, group, half), lambda bi, si, hi: (bi, hi, 0))]
+    q_spec = pl.BlockSpec((None, tile, group, d), lambda bi, si, hi: (bi, si, hi, 0))
+    q_shape = jax.ShapeDtypeStruct((b, s + pad, h, d), jnp.int8)
+    name = "rms_rope_int8_keys" if masked else "rms_rope_int8"
+    if steps is not None:  # given steps: a program quantizes `tile` tokens of a block, no reduction over it
+        per_block = block // tile
+        qi = pl.pallas_call(
+            kernel, in_specs=in_specs + vector_specs + [
+                pl.BlockSpec((None, None, group), lambda bi, si, hi: (bi, si // per_block, hi))],
+            out_specs=q_spec, out_shape=q_shape, name=name + "_given_steps", **common,
+        )(lengths, x, cos_half, sin_half, w_even, w_odd, mean_even, mean_odd, steps)
+        return qi[:, :s], steps
     qi, qs = pl.pallas_call(
         kernel,
-        in_specs=in_specs + [pl.BlockSpec((None, group, half), lambda bi, si, hi: (bi, hi, 0)),
-                             pl.BlockSpec((None, group, half), lambda bi, si, hi: (bi, hi, 0))],
-        out_specs=[pl.BlockSpec((None, block, group, d), lambda bi, si, hi: (bi, si, hi, 0)),
-                   pl.BlockSpec((None, None, group), lambda bi, si, hi: (bi, si, hi))],
-        out_shape=[jax.ShapeDtypeStruct((b, s + pad, h, d), jnp.int8),
-                   jax.ShapeDtypeStruct((b, n_blocks, h), jnp.float32)],
-        name="rms_rope_int8_keys" if masked else "rms_rope_int8",
+        in_specs=in_specs + vector_specs,
+        out_specs=[q_spec, pl.BlockSpec((None, None, group), lambda bi, si, hi: (bi, si, hi))],
+        out_shape=[q_shape, jax.ShapeDtypeStruct((b, n_blocks, h), jnp.float32)],
+        name=name,
         **common,
     )(lengths, x, cos_half, sin_half, w_even, w_odd, mean_even, mean_odd)
     return qi[:, :s], qs

@@ -587,7 +587,7 @@ def test_prologue_block_sums_read_v_range_in_place(heads_per_program):
         want = A._v_fp8_scale_and_mean(v, lengths, smooth)
         for a, b in zip(got, want):
             np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
-    with pytest.raises(ValueError, match="comes with block_sums"):
+    with pytest.raises(ValueError, match="come with block_sums"):
         A._rms_rope_quantize(stacked, nk, 1e-6, *tables, jnp.zeros((2, 4, 64)), lengths, 1.0, 64, True, heads=(2, 4),
                              values=(stacked, 6))
 
@@ -626,6 +626,31 @@ def test_fused_attention_matches_attention_of_normed_rotated_inputs(pv):
     truth = exact(qn, kn, v, lengths)
     assert relative_l1(out, unfused) <= 1e-3  # the same codes, so the same attention up to summation order
     assert cosine(out, truth) >= 0.999 and relative_l1(out, truth) <= BOUNDS[pv]
+
+
+@pytest.mark.parametrize("k_only", [True, False])
+def test_k_steps_from_the_sums_pass_equal_the_k_pass_own(monkeypatch, k_only):
+    """`K_STEPS_FROM_SUMS`: the sums pass's per-channel max and min give the K blocks' INT8 steps exactly, and the K
+    pass, 32 tokens a program with the steps given, writes the codes it writes reducing over its whole block (masked
+    keys, a fully masked block, both channel orders); V's range still comes with the sums."""
+    from mxdit.pallas_kernels import attention as A
+
+    q, k, v, (nq, nk), cos, sin = _raw_projections(7, s=256, d=64)
+    for lengths in (jnp.asarray([256, 100]), None):
+        outs = {}
+        for flag in (False, True):
+            monkeypatch.setattr(A, "K_STEPS_FROM_SUMS", flag)
+            outs[flag] = A._qk_prologue(q, (0, 4), k, (0, 2), nq, nk, 1e-6, cos, sin, lengths, scale=64**-0.5,
+                                        block_q=64, block_k=128, smooth_k=True, interpret=True, k_only=k_only,
+                                        values=(v, (0, 2)))
+        for a, b in zip(outs[False], outs[True]):
+            for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+                np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+        if lengths is not None:  # keys 128-255 of the second image: none valid, step 1
+            np.testing.assert_array_equal(np.asarray(outs[True][3][1, 1]), 1.0)
+    with pytest.raises(ValueError, match="rows_per_program 48 must be a power of two dividing 128"):
+        A._rms_rope_quantize(k, nk, 1e-6, cos[..., 0::2], sin[..., 0::2], jnp.zeros((2, 2, 64)), None, 1.0, 128,
+                             True, steps=jnp.ones((2, 2, 2)), rows_per_program=48)
 
 
 def test_round_half_even_without_a_round_primitive():
