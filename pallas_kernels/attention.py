@@ -634,7 +634,7 @@ def _int8_attention_mosaic(qi, qs, ki, ks, v, kv_lengths, *, pv, block_k, num_st
     wgs = _compute_wgs(pv, d, sq, interpret, float32_q_tiles) if compute_wgs is None else compute_wgs
     if wgs not in (2, 3):
         raise ValueError(f"mosaic attention: compute_wgs must be 2 or 3, got {wgs}")
-    memory_registers = 40 if wgs == 2 else 24
+    memory_registers = MOSAIC_MEMORY_REGISTERS[wgs]
     turns = ("pairs" if wgs == 2 else "ring") if turns is None else turns
     if turns not in ("pairs", "ring") or (turns == "pairs" and wgs != 2):
         raise ValueError(f"mosaic attention: turns={turns!r} with {wgs} compute warpgroups ('pairs' takes two)")
@@ -1370,6 +1370,11 @@ MOSAIC_ROW_SUMS = "wgmma"
 # 644 us with 2, 610 with 3 (Q made in the kernel; outputs equal to the bit; 599 with V then read in place); the fp8
 # step A B B A 0.1052 / 0.1048 / 0.1041 / 0.1057 s (2, 3, 3, 2).
 MOSAIC_COMPUTE_WGS = None
+
+
+# Registers a thread of the memory warpgroup keeps (`setmaxnreg`), by compute warpgroups: the compute ones get the
+# rest (`compute_registers`: 232 with two, 160 with three). 40 with three (152 for compute) is untried.
+MOSAIC_MEMORY_REGISTERS = {2: 40, 3: 24}
 
 
 def _compute_wgs(pv: str, head_dim: int, q_len: int, interpret: bool, float32_q_tiles: bool = False) -> int:
