@@ -1162,7 +1162,7 @@ def _rms_rope_quantize(x, weight, eps, cos_half, sin_half, mean, lengths, multip
     if steps is not None and block_sums:
         raise ValueError("_rms_rope_quantize: steps are given to the quantizing pass, not to block_sums")
     tile = block if steps is None else (K_PASS_ROWS if rows_per_program is None else rows_per_program)
-    if block % tile or tile & (tile - 1):
+    if steps is not None and (block % tile or tile & (tile - 1)):
         raise ValueError(f"_rms_rope_quantize: rows_per_program {tile} must be a power of two dividing {block}")
     v_src, v_first = values if values is not None else (None, 0)
     # a power of two (Triton's block shapes) dividing the heads and their first ones
@@ -1237,20 +1237,21 @@ def _rms_rope_quantize(x, weight, eps, cos_half, sin_half, mean, lengths, multip
         range_ref = refs.pop(0) if v_src is not None else None
         key_range_ref = refs.pop(0) if key_range else None
         c, sn, keep = tables_and_mask(lengths_ref, c_ref, s_ref)
+
+        def valid_max_min(v):
+            return jnp.max(jnp.where(keep, v, -jnp.inf), axis=0), jnp.min(jnp.where(keep, v, jnp.inf), axis=0)
+
         for head in range(group):
             one = pl.ds(head, 1)
             real, imag = rotated(x_ref, c, sn, we_ref, wo_ref, head)
             for start, v in ((0, real), (half, imag)):
                 sum_ref[one, pl.ds(start, half)] = jnp.sum(jnp.where(keep, v, 0.0), axis=0)[None]
                 if key_range_ref is not None:
-                    for i, part in enumerate((jnp.max(jnp.where(keep, v, -jnp.inf), axis=0),
-                                              jnp.min(jnp.where(keep, v, jnp.inf), axis=0))):
+                    for i, part in enumerate(valid_max_min(v)):
                         key_range_ref[one, pl.ds(i, 1), pl.ds(start, half)] = part.reshape(1, 1, half)
             if v_ref is not None:
                 v = v_ref[:, one, :].reshape(block, d).astype(jnp.float32)
-                for i, part in enumerate((jnp.max(jnp.where(keep, v, -jnp.inf), axis=0),
-                                          jnp.min(jnp.where(keep, v, jnp.inf), axis=0),
-                                          jnp.sum(jnp.where(keep, v, 0.0), axis=0))):
+                for i, part in enumerate((*valid_max_min(v), jnp.sum(jnp.where(keep, v, 0.0), axis=0))):
                     range_ref[one, pl.ds(i, 1), :] = part.reshape(1, 1, d)
 
     in_specs = [
