@@ -981,9 +981,10 @@ def krea2_energy(args) -> None:
     xs_rows = [jax.random.normal(k_, (1, m, d), jnp.bfloat16) for k_ in jax.random.split(next(keys), r)]
     weight = 0.1 * jax.random.normal(next(keys), (d,), jnp.float32)
     scale, shift = (0.1 * jax.random.normal(next(keys), (1, 1, d), jnp.bfloat16) for _ in range(2))
-    for rows_per_program in args.norm_rows:  # the model's is 1 (the first one's energy enters the sum)
-        record("modulated_rms_norm_fp8" + (f" ({rows_per_program} rows a program)" if rows_per_program > 1 else ""),
-               2 * blocks if rows_per_program == args.norm_rows[0] else 0, jax.jit(lambda xs, rows=rows_per_program: [
+    norm_rows = args.norm_rows or [None]  # None: the model's (`activations.ROWS_PER_PROGRAM`)
+    for rows_per_program in norm_rows:  # the first one's energy enters the sum
+        record("modulated_rms_norm_fp8" + (f" ({rows_per_program} rows a program)" if rows_per_program else ""),
+               2 * blocks if rows_per_program == norm_rows[0] else 0, jax.jit(lambda xs, rows=rows_per_program: [
                    activations.modulated_rms_norm_fp8(x, weight, scale, shift, cfg.norm_eps, rows_per_program=rows)
                    for x in xs]), xs_rows, kernels_per_call=r)
     hs = [jax.random.normal(k_, (1, m, f), jnp.bfloat16) for k_ in jax.random.split(next(keys), r)]
@@ -1679,8 +1680,9 @@ def main(argv=None) -> None:
     p.add_argument("--attention", default="int8_mosaic_fp8", choices=ATTENTION_CHOICES)
     p.add_argument("--cluster-n", type=int, default=1, help="the GEMMs' CTAs a cluster (MosaicConfig.cluster_n)")
     p.add_argument("--seconds", type=float, default=2.5, help="each kernel's timed loop")
-    p.add_argument("--norm-rows", type=int, nargs="+", default=[1],
-                   help="the adaptive norm's rows a program (`rows_per_program`), each timed; the first enters the sum")
+    p.add_argument("--norm-rows", type=int, nargs="+", default=None,
+                   help="the adaptive norm's rows a program (`rows_per_program`), each timed; the first enters the "
+                        "sum (default: the model's)")
     p.add_argument("--json", default=None)
     for name in ("krea2-step", "krea2-step-diffusers"):
         p = sub.add_parser(name)
