@@ -1057,8 +1057,9 @@ PROLOGUE_HEADS = (4, 1)
 # K's INT8 steps from its sums pass (`_qk_prologue`): the pass also writes each block's per-channel max and min,
 # from which the steps follow exactly (`_block_steps_of_range`), and the K pass then quantizes `K_PASS_ROWS` tokens a
 # program with no reduction over the block (the K pass, 128 x 128 a program, one program an SM, is latency-bound:
-# ~40 us a call for 20 MB, session 15). Not timed on the GPU yet: off.
-K_STEPS_FROM_SUMS = False
+# ~40 us a call for 20 MB, session 15). Krea 2's fused attention call at the cap (session 17, outputs equal to the
+# bit): 603 -> 591 us (16 / 64 rows a program: 593 / 593); the fp8 step A B B A 0.10393 / 0.10383 / 0.10396 / 0.10405 s.
+K_STEPS_FROM_SUMS = True
 K_PASS_ROWS = 32
 
 
