@@ -227,6 +227,36 @@ def test_mosaic_kernel_lowers_for_the_gpu(monkeypatch, fmt, scaling, epilogue, m
     assert ("cluster_block_id" in text) == (cluster_n > 1)  # the kernel indexes its CTA within the cluster
 
 
+@pytest.mark.parametrize("activation", ["swiglu", "silu", "gelu_tanh"])
+def test_mosaic_epilogue_sigmoid_is_one_approximate_exp2_and_reciprocal(monkeypatch, activation):
+    """`MOSAIC_FAST_SIGMOID`: the compiled epilogue takes the sigmoid from `ex2.approx` and `rcp.approx` (GELU's tanh
+    as x sigmoid(2u)), not libdevice's exp / tanh and an IEEE division; off, the exact functions come back. (PTX does
+    not run on the CPU: the GPU compared the outputs, NOTES.md session 17; the interpreter runs the exact sigmoid.)"""
+    monkeypatch.setattr(gemm, "_num_sms", lambda: 132)
+    m, k, n = 4224, 256, 512
+    w = jax.random.normal(jax.random.key(0), (n, k), jnp.float32) * k**-0.5
+    if activation == "swiglu":
+        weight = gemm.swiglu_weight(*(gemm.prepare_weight(half, "fp8_e4m3") for half in (w[: n // 2], w[n // 2:])))
+    else:
+        weight = gemm.prepare_weight(w, "fp8_e4m3")
+    texts = {}
+    for fast in (True, False):
+        monkeypatch.setattr(gemm, "MOSAIC_FAST_SIGMOID", fast)
+        texts[fast] = jax.jit(lambda x: gemm.scaled_matmul(x, weight, activation=activation, backend="mosaic")).trace(
+            jax.ShapeDtypeStruct((m, k), jnp.bfloat16)).lower(lowering_platforms=("cuda",)).as_text()
+    for instruction in ("ex2.approx.ftz.f32", "rcp.approx.ftz.f32"):
+        assert instruction in texts[True] and instruction not in texts[False]
+    exact = "math.tanh" if activation == "gelu_tanh" else "arith.divf"
+    assert exact in texts[False] and exact not in texts[True]
+
+
+def test_gelu_tanh_by_sigmoid_is_gelu_tanh():
+    """The same function in float32; absolutely within 1e-6 where 1 + tanh(u) cancels (x < ~-3: GELU near 0)."""
+    x = jnp.concatenate([jnp.linspace(-12.0, 12.0, 4001), jax.random.normal(jax.random.key(1), (4096,)) * 3])
+    np.testing.assert_allclose(gemm._gelu_tanh_by_sigmoid(x, jax.nn.sigmoid), jax.nn.gelu(x, approximate=True),
+                               rtol=2e-6, atol=1e-6)
+
+
 def test_mosaic_clusters_need_whole_cluster_tiles_and_no_interpreter():
     config = gemm.MosaicConfig(64, 256, 3, compute_wgs=2, cluster_n=2)
     w = gemm.prepare_weight(jax.random.normal(jax.random.key(0), (768, 256), jnp.float32) * 256**-0.5, "fp8_e4m3")
