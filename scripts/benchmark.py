@@ -792,9 +792,10 @@ def jax_flux_step(args) -> list[dict]:
     hidden, text, pooled = (jnp.asarray(a, jnp.bfloat16) for a in (hidden, text, pooled))
     img_ids, txt_ids = jnp.asarray(img_ids), jnp.asarray(txt_ids)
     rows = []
-    for precision in args.precisions:
+    for precision, attention in itertools.product(args.precisions, args.jax_attention):
         # as generate.py prepares it: the blocks' matrices quantized (not bf16), then stacked (--stacked yes)
         model = prepare_transformer(nnx.clone(base), precision, stack=args.stacked)
+        model.attention = attention
         graphdef, state = nnx.split(model)
 
         @jax.jit
@@ -1448,7 +1449,8 @@ def flux_step(args) -> None:
                  "--iters", str(args.iters), "--repeats", str(args.repeats), "--settle-s", str(args.settle_s)]
     rows = _subprocess_rows(args, "flux-step-diffusers", forwarded) if args.diffusers else []
     rows += _subprocess_rows(args, "flux-step-jax", forwarded + ["--precisions", *args.precisions,
-                                                                  "--stacked", "yes" if args.stacked else "no"])
+                                                                  "--stacked", "yes" if args.stacked else "no",
+                                                                  "--jax-attention", *args.jax_attention])
     _table(rows, f"FLUX.1-dev step, {args.height}x{args.width}, text {args.text_len}")
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
@@ -1743,6 +1745,7 @@ def main(argv=None) -> None:
                        help="the blocks' matrices in this format through the GEMM kernels (bf16: XLA's dots)")
         p.add_argument("--stacked", type=lambda s: s == "yes", default=False, metavar="{no,yes}",
                        help="Q/K/V (and the single blocks' MLP projection) as one product each, as generate.py runs")
+        p.add_argument("--jax-attention", nargs="+", default=["cudnn"], choices=ATTENTION_CHOICES)
         p.add_argument("--json", default=None)
     for name in ("gemm", "gemm-jax", "gemm-torch"):
         p = sub.add_parser(name)
