@@ -46,6 +46,11 @@ CHUNK = 2048  # the widest power of two a row is loaded in (Triton's loads take 
 # 63.3 / 68.3 / 68.8 us and 42.0 / 42.8 / 48.6 / 47.4 us at 1 / 2 / 4 / 8), and no faster with 4 or 16 warps.
 ROWS_PER_PROGRAM = {"modulated_rms_norm_fp8": 8, "modulated_layer_norm_fp8": 8, "swiglu_fp8": 1, "tokens_fp8": 1,
                     "sigmoid_gated_fp8": 1}
+# The adaptive norms' row loop loads row r + 1 before it works on row r (a program's rows otherwise wait for each
+# load in turn: latency, not bandwidth, bounds a program of several rows). Alone at the cap (session 17, 8 rows,
+# 4224 x 6144): 39.5 -> 35.4 us a call, the same codes and scales, the same energy (~22 mJ); the fp8 step A B B A
+# showed no difference (0.10346 / 0.10333 / 0.10298 / 0.10266 s without / with / with / without).
+NORM_PREFETCH = True
 
 
 def _chunk(d: int) -> int:
@@ -167,8 +172,11 @@ def _modulated_norm_fp8(name, x, norm_weight, scale, shift, eps, centered: bool,
         vectors = [[None if ref is None else ref[:, pl.ds(i * c, c)] for i in range(n_chunks)]
                    for ref in (None if norm_weight is None else w_ref, a_ref, sh_ref)]  # LayerNorm: no weight
 
-        def row(r):
-            chunks = [x_ref[r, pl.ds(i * c, c)].astype(jnp.float32) for i in range(n_chunks)]  # (1, c) each
+        def load(r):
+            return [x_ref[r, pl.ds(i * c, c)] for i in range(n_chunks)]  # (1, c) each
+
+        def row(r, loaded=None):
+            chunks = [v.astype(jnp.float32) for v in (load(r) if loaded is None else loaded)]
             if centered:
                 mean = sum(jnp.sum(v) for v in chunks) / d
                 chunks = [v - mean for v in chunks]
@@ -183,7 +191,10 @@ def _modulated_norm_fp8(name, x, norm_weight, scale, shift, eps, centered: bool,
                 amax = jnp.maximum(amax, jnp.max(jnp.abs(y)))
             _store_fp8_row(ys, amax, c, q_ref, s_ref, r)
 
-        _for_each_row(rows, row)
+        if NORM_PREFETCH and rows > 1:
+            _for_each_row_prefetched(rows, load, row)
+        else:
+            _for_each_row(rows, row)
 
     specs = [_row_spec(d, rows), _vec_spec(d, batched=False), _vec_spec(d), _vec_spec(d)]
     return _row_call(name, kernel, b, s, d, interpret, specs, x, weight, one_plus, shift, rows=rows)
@@ -311,6 +322,19 @@ def _for_each_row(rows: int, row) -> None:
         return carry
 
     jax.lax.fori_loop(0, rows, body, 0)
+
+
+def _for_each_row_prefetched(rows: int, load, row) -> None:
+    """`row(r, load(r))` for each of a program's rows (> 1), row r + 1's loads issued before row r's work (the loop
+    carries them); the last iteration loads its own row again instead of one past the block."""
+    from jax.experimental import pallas as pl
+
+    def body(r, loaded):
+        following = load(pl.ds(jnp.minimum(r + 1, rows - 1), 1))
+        row(pl.ds(r, 1), loaded)
+        return following
+
+    jax.lax.fori_loop(0, rows, body, load(pl.ds(0, 1)))
 
 
 def _store_fp8_row(ys, amax, c, q_ref, s_ref, row=slice(None)):

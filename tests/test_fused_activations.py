@@ -42,11 +42,13 @@ def test_modulated_norm_kernel_equals_reference(d, dtype):
     assert kernel[0].dtype == jnp.float8_e4m3fn and kernel[0].shape == (2, 5, -(-d // 128) * 128) and kernel[1].shape == (2, 5)
 
 
+@pytest.mark.parametrize("prefetch", [True, False])
 @pytest.mark.parametrize("rows", [2, 8])
-def test_modulated_norms_several_rows_a_program_equal_one_row_a_program(rows):
-    """`rows_per_program`: a program loops over its rows with the norm's vectors loaded once; the same values and
-    scales as a program a row, zero and outlier rows included (both norms); a count that does not divide the
-    sequence is named."""
+def test_modulated_norms_several_rows_a_program_equal_one_row_a_program(monkeypatch, rows, prefetch):
+    """`rows_per_program`: a program loops over its rows with the norm's vectors loaded once (and, `NORM_PREFETCH`,
+    the next row loaded before a row's work); the same values and scales as a program a row, zero and outlier rows
+    included (both norms); a count that does not divide the sequence is named."""
+    monkeypatch.setattr(A, "NORM_PREFETCH", prefetch)
     x, w, scale, shift = _inputs(96, seq=8)
     x = x.at[1, 5].set(jnp.nan)  # a non-finite row: its scale NaN, as one row a program gives it
     for fn in (lambda **kw: A.modulated_rms_norm_fp8(x, w, scale, shift, 1e-5, interpret=True, **kw),
