@@ -511,9 +511,8 @@ def _mosaic_gemm(x, x_scale, w_data, w_scale, bias, residual, gate, *, x_blocks,
     # Prefetched, the first two slices arrive during the main loop (each slot's previous store must have been read).
     n_parts = out_tn // epi_n
     prefetched = min(2, n_parts) if (has_res and config.prefetch_residual) else 0
-    # the interpreter runs no PTX: the exact sigmoid there
-    sigmoid = (functools.partial(_fast_sigmoid, layout=wgmma) if MOSAIC_FAST_SIGMOID and not interpret
-               else jax.nn.sigmoid)
+    fast_sigmoid = MOSAIC_FAST_SIGMOID and not interpret  # the interpreter runs no PTX: the exact sigmoid there
+    sigmoid = functools.partial(_fast_sigmoid, layout=wgmma) if fast_sigmoid else jax.nn.sigmoid
 
     def kernel(x_gmem, xs_gmem, w_gmem, ws_gmem, bias_gmem, res_gmem, gate_gmem, out_gmem, out_smem, row_smem,
                col_smem, barriers):
@@ -604,10 +603,8 @@ def _mosaic_gemm(x, x_scale, w_data, w_scale, bias, residual, gate, *, x_blocks,
                     acc = acc * column("w_scale")
                 if has_bias:
                     acc = acc + column("bias")
-                if activation == "gelu_tanh" and sigmoid is jax.nn.sigmoid:
-                    acc = jax.nn.gelu(acc, approximate=True)
-                elif activation == "gelu_tanh":  # libdevice's tanhf avoided too
-                    acc = _gelu_tanh_by_sigmoid(acc, sigmoid)
+                if activation == "gelu_tanh":  # by the sigmoid, libdevice's tanhf avoided too
+                    acc = _gelu_tanh_by_sigmoid(acc, sigmoid) if fast_sigmoid else jax.nn.gelu(acc, approximate=True)
                 elif activation == "silu":
                     acc = acc * sigmoid(acc)
                 if has_gate:
