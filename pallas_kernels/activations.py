@@ -175,8 +175,8 @@ def _modulated_norm_fp8(name, x, norm_weight, scale, shift, eps, centered: bool,
         def load(r):
             return [x_ref[r, pl.ds(i * c, c)] for i in range(n_chunks)]  # (1, c) each
 
-        def row(r, loaded=None):
-            chunks = [v.astype(jnp.float32) for v in (load(r) if loaded is None else loaded)]
+        def row(r, loaded):
+            chunks = [v.astype(jnp.float32) for v in loaded]
             if centered:
                 mean = sum(jnp.sum(v) for v in chunks) / d
                 chunks = [v - mean for v in chunks]
@@ -191,10 +191,10 @@ def _modulated_norm_fp8(name, x, norm_weight, scale, shift, eps, centered: bool,
                 amax = jnp.maximum(amax, jnp.max(jnp.abs(y)))
             _store_fp8_row(ys, amax, c, q_ref, s_ref, r)
 
-        if NORM_PREFETCH and rows > 1:
-            _for_each_row_prefetched(rows, load, row)
+        if NORM_PREFETCH:
+            _for_each_row(rows, row, load)
         else:
-            _for_each_row(rows, row)
+            _for_each_row(rows, lambda r: row(r, load(r)))
 
     specs = [_row_spec(d, rows), _vec_spec(d, batched=False), _vec_spec(d), _vec_spec(d)]
     return _row_call(name, kernel, b, s, d, interpret, specs, x, weight, one_plus, shift, rows=rows)
@@ -308,33 +308,30 @@ def _rows_per_program(name: str, s: int, rows: int | None) -> int:
     return rows
 
 
-def _for_each_row(rows: int, row) -> None:
+def _for_each_row(rows: int, row, load=None) -> None:
     """`row(r)` for each of a program's rows: r a slice of its block; a loop over them where there are several (the
-    program's vectors, loaded before, then stay in registers)."""
+    program's vectors, loaded before, then stay in registers). With `load`: `row(r, load(r))`, and in the loop row
+    r + 1's loads are issued before row r's work (the loop carries them; the last iteration loads its own row again
+    instead of one past the block)."""
     from jax.experimental import pallas as pl
 
     if rows == 1:
-        row(slice(None))
+        if load is None:
+            row(slice(None))
+        else:
+            row(slice(None), load(slice(None)))
         return
 
-    def body(r, carry):
-        row(pl.ds(r, 1))  # (a slice of one, not an integer: interpret mode's loads take only slices)
-        return carry
-
-    jax.lax.fori_loop(0, rows, body, 0)
-
-
-def _for_each_row_prefetched(rows: int, load, row) -> None:
-    """`row(r, load(r))` for each of a program's rows (> 1), row r + 1's loads issued before row r's work (the loop
-    carries them); the last iteration loads its own row again instead of one past the block."""
-    from jax.experimental import pallas as pl
-
     def body(r, loaded):
+        one = pl.ds(r, 1)  # (a slice of one, not an integer: interpret mode's loads take only slices)
+        if load is None:
+            row(one)
+            return loaded
         following = load(pl.ds(jnp.minimum(r + 1, rows - 1), 1))
-        row(pl.ds(r, 1), loaded)
+        row(one, loaded)
         return following
 
-    jax.lax.fori_loop(0, rows, body, load(pl.ds(0, 1)))
+    jax.lax.fori_loop(0, rows, body, 0 if load is None else load(pl.ds(0, 1)))
 
 
 def _store_fp8_row(ys, amax, c, q_ref, s_ref, row=slice(None)):
