@@ -354,8 +354,8 @@ def stack_projections(model: nnx.Module) -> int:
 
 
 # Joint sequence lengths the kernels take without padding: the GEMMs' 192-row CTAs (three 64-row warpgroups) and
-# the INT8 attention's 128- or 192-row query blocks (two or three compute warpgroups). At 4160 tokens (4096 + 64) the fp8 pipeline ran 0.134 s a step, at 4224
-# the step benchmark 0.116 (session 6).
+# the INT8 attention's 128- or 192-row query blocks (two or three compute warpgroups). At 4160 tokens (4096 + 64)
+# the fp8 pipeline ran 0.134 s a step, at 4224 the step benchmark 0.116 (session 6).
 JOINT_TOKENS_MULTIPLE = 384
 
 

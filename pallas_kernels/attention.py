@@ -1375,7 +1375,8 @@ MOSAIC_COMPUTE_WGS = None
 
 
 # Registers a thread of the memory warpgroup keeps (`setmaxnreg`), by compute warpgroups: the compute ones get the
-# rest (`compute_registers`: 232 with two, 160 with three). 40 with three (152 for compute) is untried.
+# rest (`compute_registers`: 232 with two, 160 with three). 40 with three (152 for compute): Krea 2's fused call
+# alone 1566 us against 603 (session 17; the compute warpgroups spill).
 MOSAIC_MEMORY_REGISTERS = {2: 40, 3: 24}
 
 
@@ -1391,6 +1392,7 @@ def _compute_wgs(pv: str, head_dim: int, q_len: int, interpret: bool, float32_q_
     rows = MOSAIC_ROWS
     fits = pv == "fp8" and head_dim <= (64 if float32_q_tiles else 128) and not interpret
     return 3 if fits and (-q_len) % (3 * rows) <= (-q_len) % (2 * rows) else 2
+
 
 # The Mosaic kernel's FP8 P.V subtracts V's channel means and adds them back (`_int8_attention_mosaic`'s `smooth_v`).
 MOSAIC_SMOOTH_V = True
