@@ -81,20 +81,35 @@ def _gpu_energy_mj() -> int | None:
         return None
 
 
+# nvidia-smi's clock event reasons (a bit mask): what holds the SM clock below its maximum.
+_CLOCK_LIMITS = {"sw_power_cap": 0x4, "hw_slowdown": 0x8, "sw_thermal": 0x20, "hw_thermal": 0x40,
+                 "hw_power_brake": 0x80}
+
+
 class _GpuClocks:
-    """nvidia-smi's SM clock and power draw, sampled every 100 ms while the `with` block runs; `.summary()` gives
-    their median / minimum / maximum and the energy the GPU used meanwhile (NVML's counter; empty without them).
-    Why: the H200 holds its 700 W cap in a quantized Krea 2 step by lowering its clock (median 1635 of 1980 MHz,
-    NOTES.md session 8), so a figure means little without the clock it ran at, and energy a step is what bounds it."""
+    """nvidia-smi's SM clock, power draw, GPU temperature and clock event reasons, sampled every 100 ms while the
+    `with` block runs; `.summary()` gives the clock's median and minimum, the largest power and temperature, the
+    share of samples in which each limit (`_CLOCK_LIMITS`) held the clock, and the energy the GPU used meanwhile
+    (NVML's counter; empty without them). Why: the H200 holds its 700 W cap in a quantized Krea 2 step by lowering
+    its clock (median 1635 of 1980 MHz, NOTES.md session 8), so a figure means little without the clock it ran at,
+    and energy a step is what bounds it; the reasons say which limit acted. A driver whose nvidia-smi does not know
+    the last two fields gets the first two only."""
+
+    FIELDS = ("clocks.sm", "power.draw", "temperature.gpu", "clocks_event_reasons.active")
 
     def __enter__(self):
         self.energy_mj = _gpu_energy_mj()
-        try:
-            self.proc = subprocess.Popen(["nvidia-smi", "--query-gpu=clocks.sm,power.draw", "--format=csv,noheader,"
-                                          "nounits", "-lms", "100", "-i", "0"], stdout=subprocess.PIPE,
-                                         stderr=subprocess.DEVNULL, text=True)
-        except OSError:  # no NVIDIA driver here
-            self.proc = None
+        self.proc = None
+        for fields in (self.FIELDS, self.FIELDS[:2]):
+            command = ["nvidia-smi", f"--query-gpu={','.join(fields)}", "--format=csv,noheader,nounits", "-i", "0"]
+            try:  # an unknown field fails the whole query: ask once before sampling
+                if subprocess.run(command, capture_output=True, timeout=10).returncode:
+                    continue
+                self.proc = subprocess.Popen(command + ["-lms", "100"], stdout=subprocess.PIPE,
+                                             stderr=subprocess.DEVNULL, text=True)
+            except (OSError, subprocess.TimeoutExpired):  # no NVIDIA driver here
+                break
+            break
         return self
 
     def __exit__(self, *exc):
@@ -109,18 +124,26 @@ class _GpuClocks:
                 self.proc.kill()
                 out, _ = self.proc.communicate()
             for line in out.splitlines():
+                values = [v.strip() for v in line.split(",")]
                 try:
-                    mhz, watts = (float(v) for v in line.split(","))
-                except ValueError:  # a partial last line, or "[N/A]"
+                    sample = (float(values[0]), float(values[1]),
+                              *((float(values[2]), int(values[3], 16)) if len(values) == 4 else ()))
+                except (ValueError, IndexError):  # a partial last line, or "[N/A]"
                     continue
-                self.samples.append((mhz, watts))
+                self.samples.append(sample)
 
     def summary(self) -> dict:
         energy = {} if self.energy_j is None else {"energy_j": self.energy_j}
         if not self.samples:
             return energy
-        mhz, watts = zip(*self.samples)
-        return {"sm_mhz_median": statistics.median(mhz), "sm_mhz_min": min(mhz), "power_w_max": max(watts), **energy}
+        columns = list(zip(*self.samples))
+        row = {"sm_mhz_median": statistics.median(columns[0]), "sm_mhz_min": min(columns[0]),
+               "power_w_max": max(columns[1]), **energy}
+        if len(columns) == 4:
+            row["temperature_c_max"] = max(columns[2])
+            row["clock_limits"] = {name: sum(bool(r & bit) for r in columns[3]) / len(columns[3])
+                                   for name, bit in _CLOCK_LIMITS.items()}
+        return row
 
 
 def _timed(run, iters: int, repeats: int, settle_s: float = 0.0, *, warmup: int = 1, seconds=None) -> dict:

@@ -18,14 +18,38 @@ def benchmark():
     return module
 
 
-def test_timings_carry_the_clock_and_power_nvidia_smi_reports(benchmark, tmp_path, monkeypatch):
-    smi = tmp_path / "nvidia-smi"  # a stand-in printing three samples and one it cannot read, then waiting
-    smi.write_text("#!/bin/sh\necho '1635, 690.5'\necho '1980, 300.0'\necho '1395, 701.2'\necho '[N/A], [N/A]'\n"
-                   "exec sleep 30\n")
+def _stand_in(tmp_path, samples: list[str], knows_reasons: bool):
+    """A stand-in for nvidia-smi: fails a query naming fields it does not know; asked once (no -lms), prints one
+    sample; sampling, prints `samples` then waits as the real one does."""
+    smi = tmp_path / "nvidia-smi"
+    lines = "".join(f"echo '{line}'\n" for line in samples)
+    smi.write_text("#!/bin/sh\n"
+                   + ("" if knows_reasons else 'case "$*" in *clocks_event_reasons*) exit 2;; esac\n')
+                   + f'case "$*" in *-lms*) ;; *) echo \'{samples[0]}\'; exit 0;; esac\n'
+                   + lines + "exec sleep 30\n")
     smi.chmod(0o755)
+
+
+def test_timings_carry_the_clock_and_power_nvidia_smi_reports(benchmark, tmp_path, monkeypatch):
+    # a driver that does not know the temperature-and-reasons query: clock and power only (and one unreadable line)
+    _stand_in(tmp_path, ["1635, 690.5", "1980, 300.0", "1395, 701.2", "[N/A], [N/A]"], knows_reasons=False)
     monkeypatch.setenv("PATH", f"{tmp_path}:/usr/bin:/bin")
     row = benchmark._timed(lambda n: time.sleep(0.05 * n), 2, 2)
     assert row["sm_mhz_median"] == 1635 and row["sm_mhz_min"] == 1395 and row["power_w_max"] == 701.2
+    assert "clock_limits" not in row and "temperature_c_max" not in row
+
+
+def test_timings_carry_what_held_the_clock(benchmark, tmp_path, monkeypatch):
+    """The clock event reasons (a bit mask) as the share of samples each limit was active in, and the hottest
+    sample: whether the power cap, a hardware slowdown or heat held the clock."""
+    _stand_in(tmp_path, ["1635, 690.5, 61, 0x0000000000000004", "1980, 300.0, 55, 0x0000000000000000",
+                         "1395, 701.2, 66, 0x000000000000000C", "1500, 699.0, 64, 0x0000000000000004"],
+              knows_reasons=True)
+    monkeypatch.setenv("PATH", f"{tmp_path}:/usr/bin:/bin")
+    row = benchmark._timed(lambda n: time.sleep(0.05 * n), 2, 2)
+    assert row["sm_mhz_median"] == pytest.approx(1567.5) and row["temperature_c_max"] == 66
+    assert row["clock_limits"] == {"sw_power_cap": 0.75, "hw_slowdown": 0.25, "sw_thermal": 0.0,
+                                   "hw_thermal": 0.0, "hw_power_brake": 0.0}
 
 
 def test_no_nvidia_smi_gives_no_clock_figures(benchmark, tmp_path, monkeypatch):
