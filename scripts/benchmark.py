@@ -98,7 +98,6 @@ class _GpuClocks:
     FIELDS = ("clocks.sm", "power.draw", "temperature.gpu", "clocks_event_reasons.active")
 
     def __enter__(self):
-        self.energy_mj = _gpu_energy_mj()
         self.proc = None
         for fields in (self.FIELDS, self.FIELDS[:2]):
             command = ["nvidia-smi", f"--query-gpu={','.join(fields)}", "--format=csv,noheader,nounits", "-i", "0"]
@@ -110,6 +109,7 @@ class _GpuClocks:
             except (OSError, subprocess.TimeoutExpired):  # no NVIDIA driver here
                 break
             break
+        self.energy_mj = _gpu_energy_mj()  # after the query: its time is not the timed work's
         return self
 
     def __exit__(self, *exc):

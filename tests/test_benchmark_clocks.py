@@ -52,6 +52,19 @@ def test_timings_carry_what_held_the_clock(benchmark, tmp_path, monkeypatch):
                                    "hw_thermal": 0.0, "hw_power_brake": 0.0}
 
 
+def test_energy_window_leaves_out_nvidia_smis_first_query(benchmark, tmp_path, monkeypatch):
+    """The one-shot query that checks nvidia-smi's fields runs before the energy counter is read: the idle GPU's
+    energy while it answers is not the timed steps'."""
+    smi = tmp_path / "nvidia-smi"  # answering the one-shot query takes 0.5 s
+    smi.write_text('#!/bin/sh\ncase "$*" in *-lms*) ;; *) sleep 0.5; echo "1500, 600.0, 50, 0x4"; exit 0;; esac\n'
+                   'echo "1500, 600.0, 50, 0x4"\nexec sleep 30\n')
+    smi.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:/usr/bin:/bin")
+    monkeypatch.setattr(benchmark, "_gpu_energy_mj", lambda: int(time.monotonic() * 1e5))  # a 100 W counter
+    row = benchmark._timed(lambda n: time.sleep(0.1 * n), 1, 2)
+    assert row["joules_per_step"] == pytest.approx(10.0, rel=0.3)  # 0.1 s a step at 100 W; with the query's 0.5 s: 35
+
+
 def test_no_nvidia_smi_gives_no_clock_figures(benchmark, tmp_path, monkeypatch):
     monkeypatch.setenv("PATH", str(tmp_path))  # an empty folder: no nvidia-smi
     row = benchmark._timed(lambda n: None, 1, 1)
