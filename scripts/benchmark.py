@@ -100,15 +100,15 @@ class _GpuClocks:
     def __enter__(self):
         self.proc = None
         for fields in (self.FIELDS, self.FIELDS[:2]):
+            self.fields = fields
             command = ["nvidia-smi", f"--query-gpu={','.join(fields)}", "--format=csv,noheader,nounits", "-i", "0"]
             try:  # an unknown field fails the whole query: ask once before sampling
-                if subprocess.run(command, capture_output=True, timeout=10).returncode:
-                    continue
-                self.proc = subprocess.Popen(command + ["-lms", "100"], stdout=subprocess.PIPE,
-                                             stderr=subprocess.DEVNULL, text=True)
+                if subprocess.run(command, capture_output=True, timeout=10).returncode == 0:
+                    self.proc = subprocess.Popen(command + ["-lms", "100"], stdout=subprocess.PIPE,
+                                                 stderr=subprocess.DEVNULL, text=True)
+                    break
             except (OSError, subprocess.TimeoutExpired):  # no NVIDIA driver here
                 break
-            break
         self.energy_mj = _gpu_energy_mj()  # after the query: its time is not the timed work's
         return self
 
@@ -125,12 +125,12 @@ class _GpuClocks:
                 out, _ = self.proc.communicate()
             for line in out.splitlines():
                 values = [v.strip() for v in line.split(",")]
-                try:
-                    sample = (float(values[0]), float(values[1]),
-                              *((float(values[2]), int(values[3], 16)) if len(values) == 4 else ()))
-                except (ValueError, IndexError):  # a partial last line, or "[N/A]"
+                try:  # clock, power (, temperature, the reasons' bit mask)
+                    if len(values) != len(self.fields):
+                        raise ValueError(line)
+                    self.samples.append(tuple(int(v, 16) if i == 3 else float(v) for i, v in enumerate(values)))
+                except ValueError:  # a partial last line, or "[N/A]"
                     continue
-                self.samples.append(sample)
 
     def summary(self) -> dict:
         energy = {} if self.energy_j is None else {"energy_j": self.energy_j}
