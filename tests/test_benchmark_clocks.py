@@ -18,14 +18,14 @@ def benchmark():
     return module
 
 
-def _stand_in(tmp_path, samples: list[str], knows_reasons: bool):
+def _stand_in(tmp_path, samples: list[str], knows_reasons: bool, query_s: float = 0.0):
     """A stand-in for nvidia-smi: fails a query naming fields it does not know; asked once (no -lms), prints one
-    sample; sampling, prints `samples` then waits as the real one does."""
+    sample after `query_s` seconds; sampling, prints `samples` then waits as the real one does."""
     smi = tmp_path / "nvidia-smi"
     lines = "".join(f"echo '{line}'\n" for line in samples)
     smi.write_text("#!/bin/sh\n"
                    + ("" if knows_reasons else 'case "$*" in *clocks_event_reasons*) exit 2;; esac\n')
-                   + f'case "$*" in *-lms*) ;; *) echo \'{samples[0]}\'; exit 0;; esac\n'
+                   + f'case "$*" in *-lms*) ;; *) sleep {query_s}; echo \'{samples[0]}\'; exit 0;; esac\n'
                    + lines + "exec sleep 30\n")
     smi.chmod(0o755)
 
@@ -55,10 +55,7 @@ def test_timings_carry_what_held_the_clock(benchmark, tmp_path, monkeypatch):
 def test_energy_window_leaves_out_nvidia_smis_first_query(benchmark, tmp_path, monkeypatch):
     """The one-shot query that checks nvidia-smi's fields runs before the energy counter is read: the idle GPU's
     energy while it answers is not the timed steps'."""
-    smi = tmp_path / "nvidia-smi"  # answering the one-shot query takes 0.5 s
-    smi.write_text('#!/bin/sh\ncase "$*" in *-lms*) ;; *) sleep 0.5; echo "1500, 600.0, 50, 0x4"; exit 0;; esac\n'
-                   'echo "1500, 600.0, 50, 0x4"\nexec sleep 30\n')
-    smi.chmod(0o755)
+    _stand_in(tmp_path, ["1500, 600.0, 50, 0x4"], knows_reasons=True, query_s=0.5)  # the one-shot query: 0.5 s
     monkeypatch.setenv("PATH", f"{tmp_path}:/usr/bin:/bin")
     monkeypatch.setattr(benchmark, "_gpu_energy_mj", lambda: int(time.monotonic() * 1e5))  # a 100 W counter
     row = benchmark._timed(lambda n: time.sleep(0.1 * n), 1, 2)

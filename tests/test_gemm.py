@@ -185,6 +185,14 @@ def test_swiglu_weight_is_only_taken_by_the_swiglu_epilogue():
         gemm.swiglu_weight(*mx)
 
 
+def _lowering_weight(n: int, k: int, fmt: str, swiglu: bool):
+    """A random (n, k) weight prepared for the kernel: as SwiGLU's interleaved gate and up halves where `swiglu`."""
+    w = jax.random.normal(jax.random.key(0), (n, k), jnp.float32) * k**-0.5
+    if swiglu:
+        return gemm.swiglu_weight(*(gemm.prepare_weight(half, fmt) for half in (w[: n // 2], w[n // 2:])))
+    return gemm.prepare_weight(w, fmt)
+
+
 @pytest.mark.parametrize("fmt, scaling, epilogue, m, cluster_n", [
     ("fp8_e4m3", "token", "none", 4224, 1),  # 64 x 256 tiles, 128-wide output slices
     ("fp8_e4m3", "token", "residual", 4224, 1),  # the residual prefetched
@@ -204,11 +212,7 @@ def test_mosaic_kernel_lowers_for_the_gpu(monkeypatch, fmt, scaling, epilogue, m
     default configurations and epilogues lower, beyond what the interpreter runs. Not checked: ptxas, and speed."""
     monkeypatch.setattr(gemm, "_num_sms", lambda: 132)  # an H200's
     k, n = 256, 512
-    w = jax.random.normal(jax.random.key(0), (n, k), jnp.float32) * k**-0.5
-    if epilogue == "swiglu":
-        weight = gemm.swiglu_weight(*(gemm.prepare_weight(half, fmt) for half in (w[: n // 2], w[n // 2:])))
-    else:
-        weight = gemm.prepare_weight(w, fmt)
+    weight = _lowering_weight(n, k, fmt, swiglu=epilogue == "swiglu")
     extra = {"residual": jnp.zeros((m, n), jnp.bfloat16), "gate": jnp.ones((n,))} if epilogue == "residual" else {}
     activation = {"swiglu": "swiglu", "gelu": "gelu_tanh"}.get(epilogue, "none")
     config = None
@@ -234,11 +238,7 @@ def test_mosaic_epilogue_sigmoid_is_one_approximate_exp2_and_reciprocal(monkeypa
     not run on the CPU: the GPU compared the outputs, NOTES.md session 17; the interpreter runs the exact sigmoid.)"""
     monkeypatch.setattr(gemm, "_num_sms", lambda: 132)
     m, k, n = 4224, 256, 512
-    w = jax.random.normal(jax.random.key(0), (n, k), jnp.float32) * k**-0.5
-    if activation == "swiglu":
-        weight = gemm.swiglu_weight(*(gemm.prepare_weight(half, "fp8_e4m3") for half in (w[: n // 2], w[n // 2:])))
-    else:
-        weight = gemm.prepare_weight(w, "fp8_e4m3")
+    weight = _lowering_weight(n, k, "fp8_e4m3", swiglu=activation == "swiglu")
     texts = {}
     for fast in (True, False):
         monkeypatch.setattr(gemm, "MOSAIC_FAST_SIGMOID", fast)
