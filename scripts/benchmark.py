@@ -158,7 +158,7 @@ def _timed(run, iters: int, repeats: int, settle_s: float = 0.0, *, warmup: int 
         run(n)
         return time.perf_counter() - t0
 
-    compile_s = host_seconds(warmup)
+    compile_s = host_seconds(warmup) if warmup else 0.0  # (0: the caller ran them)
     t0 = time.perf_counter()
     while time.perf_counter() - t0 < settle_s:
         run(iters)
@@ -919,7 +919,7 @@ def _energy_per_call(fn, *args, seconds: float = 2.5, kernels_per_call: int = 1)
     t0 = time.perf_counter()
     run(5)
     calls = max(int(seconds / ((time.perf_counter() - t0) / 5)), 10)
-    timed = _timed(run, calls, 1, settle_s=seconds / 4)
+    timed = _timed(run, calls, 1, settle_s=seconds / 4, warmup=0)  # compiled and warm already
     row = {"kernels": calls * kernels_per_call, "us_per_kernel": timed["s_per_step"] / kernels_per_call * 1e6,
            "sm_mhz_median": timed.get("sm_mhz_median")}
     if "joules_per_step" in timed:
