@@ -50,6 +50,17 @@ def test_fused_fp8_producers_lower(name):
     assert lowers(fn, *shapes)
 
 
+def test_fp8_row_quantization_divides_as_ieee_on_the_gpu():
+    """Triton's float32 `/` is PTX's approximate `div.full.f32`: the row kernels' quotients come from inline PTX
+    instead (a correctly rounded reciprocal and FMAs, `activations._QUOTIENT_PTX`), so `tokens_fp8`, which divides
+    nowhere else, lowers with no `arith.divf` at all."""
+    text = jax.jit(A.tokens_fp8).trace(jax.ShapeDtypeStruct((1, 64, 256), BF16)).lower(
+        lowering_platforms=("cuda",)).as_text()
+    for asm in ("rcp.rn.f32", "fma.rn.f32"):
+        assert asm in text
+    assert "divf" not in text
+
+
 @pytest.mark.parametrize("heads_per_program, split_pairs", [(1, False), (2, False), (4, False), (1, True), (4, True)])
 def test_qk_prologue_lowers_with_heads_grouped(heads_per_program, split_pairs):
     """Krea 2's layout (48 query and 12 KV heads in one stacked product), the masked keys read after the queries;
