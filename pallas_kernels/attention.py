@@ -1066,15 +1066,29 @@ PROLOGUE_HEADS = (4, 1)
 K_STEPS_FROM_SUMS = True
 K_PASS_ROWS = 32
 
+# The K side of the Mosaic path (`_mosaic_with_q_in_kernel`), not yet timed on a GPU (session 20, no GPU lent):
+# `K_SPLIT_PAIRS` loads the K (and sums) passes' tiles contiguously and splits the rotary pairs in registers
+# (`_rms_rope_quantize(split_pairs=True)`); `K_SUMS_ROWS` gives the sums pass programs of that many tokens instead of
+# a whole key block (the blocks' sums and ranges then combine their parts in XLA). Both only reorder float32
+# operations (the parts' sums; a row's norm reduced over another layout): K's codes may move by one at a rounding tie.
+# Their SASS (ptxas on the kernels' PTX compiled here from their TTIR; NOTES.md, session 20): the K pass at 8 warps x
+# 32 tokens 60 -> 36 instructions a value and 63 -> 48 registers with the pairs split (no 16-bit strided loads; 96 ->
+# 6 shuffles); the sums pass of 128 tokens with V's range holds 255 registers (179 split), one 8-warp program an SM,
+# 396 programs at Krea 2's size; 8 warps x 32 tokens split: 48 registers, 5 programs an SM by registers.
+K_SPLIT_PAIRS = False
+K_SUMS_ROWS = None
+
 
 def _qk_prologue(q_src, q_heads, k_src, k_heads, norm_q, norm_k, eps, cos, sin, kv_lengths, *, scale, block_q,
                  block_k, smooth_k, interpret, heads_per_program: int | None = None, num_warps: int | None = None,
-                 split_pairs: bool = False, k_only: bool = False, values=None):
+                 split_pairs: bool = False, k_only: bool = False, values=None, sums_rows: int | None = None):
     """The prologue on heads [first, first + count) of `q_src` and `k_src` (`q_heads`, `k_heads`);
     `heads_per_program` and `num_warps` for both passes (None: `PROLOGUE_HEADS`, `PROLOGUE_WARPS`). `k_only`: no
     Q pass (qi, qs None), and K in the natural channel order (for the Mosaic kernel that makes Q itself).
     `values` (V's source, (first, count) of its heads; with `smooth_k`): K's sums pass also takes V's range over the
-    valid keys, returned fifth as (max, min, sum) (batch, kv_heads, head_dim) each."""
+    valid keys, returned fifth as (max, min, sum) (batch, kv_heads, head_dim) each. `sums_rows`: tokens a program of
+    the sums pass (None: a key block; a power of two dividing `block_k`): the parts' sums and ranges are combined
+    here."""
     b, s, _, d = q_src.shape
     (_, h), (_, hk) = q_heads, k_heads
     cos = jnp.broadcast_to(cos, (b, s, d)).astype(jnp.float32)[..., 0::2]  # pairs share a frequency: half the table
@@ -1092,8 +1106,12 @@ def _qk_prologue(q_src, q_heads, k_src, k_heads, norm_q, norm_k, eps, cos, sin, 
         key_range = K_STEPS_FROM_SUMS
         sums = kernel(k_src, norm_k, eps, cos, sin, None, lengths, 1.0, block_k, interpret, heads=k_heads,
                       num_warps=k_warps, heads_per_program=k_group, block_sums=True,
-                      values=None if values is None else (values[0], values[1][0]), key_range=key_range)
+                      values=None if values is None else (values[0], values[1][0]), key_range=key_range,
+                      rows_per_program=sums_rows)
         sums, *extra = sums if isinstance(sums, tuple) else (sums,)
+        if key_range and sums_rows is not None and sums_rows != block_k:  # a key block's range from its parts'
+            parts = extra[-1].reshape(b, -1, block_k // sums_rows, *extra[-1].shape[2:])
+            extra[-1] = jnp.stack([parts[:, :, :, :, 0].max(axis=2), parts[:, :, :, :, 1].min(axis=2)], axis=3)
         if values is not None:
             v_range = extra.pop(0)
             v_range = (v_range[:, :, :, 0].max(axis=1), v_range[:, :, :, 1].min(axis=1), v_range[:, :, :, 2].sum(axis=1))
@@ -1156,7 +1174,9 @@ def _rms_rope_quantize(x, weight, eps, cos_half, sin_half, mean, lengths, multip
     and min of the normed, rotated valid keys, (batch, blocks, heads, 2, head_dim) in the sums' order, returned
     last. `steps` (quantizing only): the blocks' INT8 steps (batch, blocks, heads) given (`_block_steps_of_range`),
     so that a program needs no reduction over its block: it then takes `rows_per_program` tokens (None:
-    `K_PASS_ROWS`; a power of two dividing `block`) and the steps are returned as the scales."""
+    `K_PASS_ROWS`; a power of two dividing `block`) and the steps are returned as the scales. With `block_sums`,
+    `rows_per_program` (None: `block`) makes the sums and ranges those of parts of the blocks, (batch, parts, ...)
+    for the caller to combine."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import triton as pltriton
 
@@ -1166,8 +1186,11 @@ def _rms_rope_quantize(x, weight, eps, cos_half, sin_half, mean, lengths, multip
         raise ValueError("_rms_rope_quantize: V's range (values) and K's (key_range) come with block_sums")
     if steps is not None and block_sums:
         raise ValueError("_rms_rope_quantize: steps are given to the quantizing pass, not to block_sums")
-    tile = block if steps is None else (K_PASS_ROWS if rows_per_program is None else rows_per_program)
-    if steps is not None and (block % tile or tile & (tile - 1)):
+    if steps is not None:
+        tile = K_PASS_ROWS if rows_per_program is None else rows_per_program
+    else:  # block_sums may take parts of a block (`rows_per_program`); the quantizing pass reduces over whole blocks
+        tile = rows_per_program if block_sums and rows_per_program is not None else block
+    if tile != block and (block % tile or tile & (tile - 1)):
         raise ValueError(f"_rms_rope_quantize: rows_per_program {tile} must be a power of two dividing {block}")
     v_src, v_first = values if values is not None else (None, 0)
     # a power of two (Triton's block shapes) dividing the heads and their first ones
@@ -1255,7 +1278,7 @@ def _rms_rope_quantize(x, weight, eps, cos_half, sin_half, mean, lengths, multip
                     for i, part in enumerate(valid_max_min(v)):
                         key_range_ref[one, pl.ds(i, 1), pl.ds(start, half)] = part.reshape(1, 1, half)
             if v_ref is not None:
-                v = v_ref[:, one, :].reshape(block, d).astype(jnp.float32)
+                v = v_ref[:, one, :].reshape(tile, d).astype(jnp.float32)
                 for i, part in enumerate((*valid_max_min(v), jnp.sum(jnp.where(keep, v, 0.0), axis=0))):
                     range_ref[one, pl.ds(i, 1), :] = part.reshape(1, 1, d)
 
@@ -1270,17 +1293,18 @@ def _rms_rope_quantize(x, weight, eps, cos_half, sin_half, mean, lengths, multip
     common = dict(grid=(b, (s + pad) // tile, h // group), interpret=interpret,
                   compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=2))
     if block_sums:
+        n_parts = (s + pad) // tile  # (key blocks, or their parts of `tile` tokens)
         out_specs = [pl.BlockSpec((None, None, group, d), lambda bi, si, hi: (bi, si, hi, 0))]
-        out_shape = [jax.ShapeDtypeStruct((b, n_blocks, h, d), jnp.float32)]
+        out_shape = [jax.ShapeDtypeStruct((b, n_parts, h, d), jnp.float32)]
         inputs = [lengths, x, cos_half, sin_half, w_even, w_odd]
         if v_src is not None:
-            in_specs.append(pl.BlockSpec((None, block, group, d), lambda bi, si, hi: (bi, si, hi + v_first // group, 0)))
+            in_specs.append(pl.BlockSpec((None, tile, group, d), lambda bi, si, hi: (bi, si, hi + v_first // group, 0)))
             inputs.append(v_src)
             out_specs.append(pl.BlockSpec((None, None, group, 3, d), lambda bi, si, hi: (bi, si, hi, 0, 0)))
-            out_shape.append(jax.ShapeDtypeStruct((b, n_blocks, h, 3, d), jnp.float32))
+            out_shape.append(jax.ShapeDtypeStruct((b, n_parts, h, 3, d), jnp.float32))
         if key_range:
             out_specs.append(pl.BlockSpec((None, None, group, 2, d), lambda bi, si, hi: (bi, si, hi, 0, 0)))
-            out_shape.append(jax.ShapeDtypeStruct((b, n_blocks, h, 2, d), jnp.float32))
+            out_shape.append(jax.ShapeDtypeStruct((b, n_parts, h, 2, d), jnp.float32))
         outs = pl.pallas_call(sums_kernel, in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
                               name="rms_rope_sums" if v_src is None else "rms_rope_sums_v_range", **common)(*inputs)
         return outs[0] if len(outs) == 1 else tuple(outs)
@@ -1430,7 +1454,8 @@ def _mosaic_with_q_in_kernel(q_src, num_heads, k_src, k_heads, v_src, v_first, n
     values = (v_src, (v_first, hk)) if pv == "fp8" and MOSAIC_V_RANGE_IN_K_SUMS else None
     _, _, ki, ks, *v_range = _qk_prologue(q_src, (0, num_heads), k_src, k_heads, norm_q, norm_k, eps, cos, sin,
                                           kv_lengths, scale=scale, block_q=block_q, block_k=block_k, smooth_k=True,
-                                          interpret=interpret, k_only=True, values=values)
+                                          interpret=interpret, k_only=True, values=values, split_pairs=K_SPLIT_PAIRS,
+                                          sums_rows=K_SUMS_ROWS)
     return _int8_attention_mosaic(q_src, None, ki, ks, v_src, kv_lengths, pv=pv, block_k=block_k,
                                   num_stages=num_stages, interpret=interpret, out_dtype=out_dtype,
                                   pv_accumulation=pv_accumulation,

@@ -653,6 +653,37 @@ def test_k_steps_from_the_sums_pass_equal_the_k_pass_own(monkeypatch, k_only):
                              True, steps=jnp.ones((2, 2, 2)), rows_per_program=48)
 
 
+@pytest.mark.parametrize("split_pairs, sums_rows", [(True, None), (False, 32), (True, 64)])
+def test_k_side_switches_keep_the_codes(split_pairs, sums_rows):
+    """`K_SPLIT_PAIRS` (pairs split in registers) and `K_SUMS_ROWS` (the sums pass in parts of a key block, combined
+    after) against the defaults, on the Mosaic path's K side (K only, natural order, V's range, steps from the
+    sums). Only the order of float32 operations changes (the parts' sums; a row's norm reduced over another layout),
+    so everything moves by rounding at most: V's range, which no norm touches, not at all; K's codes by one at a
+    rounding tie. (Interpret mode gives split pairs the same bits: the same arrays.)"""
+    from mxdit.pallas_kernels import attention as A
+
+    q, k, v, (nq, nk), cos, sin = _raw_projections(3, s=256, d=128)
+    for lengths in (jnp.asarray([248, 100]), None):
+        def run(**kw):
+            return A._qk_prologue(q, (0, 4), k, (0, 2), nq, nk, 1e-6, cos, sin, lengths, scale=128**-0.5,
+                                  block_q=64, block_k=128, smooth_k=True, interpret=True, k_only=True,
+                                  values=(v, (0, 2)), **kw)
+
+        (_, _, ki0, ks0, (hi0, lo0, sum0)) = run()
+        (_, _, ki1, ks1, (hi1, lo1, sum1)) = run(split_pairs=split_pairs, sums_rows=sums_rows)
+        for a, b in ((hi0, hi1), (lo0, lo1)):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+        if sums_rows is None:
+            for a, b in ((ki0, ki1), (ks0, ks1), (sum0, sum1)):
+                np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+        np.testing.assert_allclose(np.asarray(ks1), np.asarray(ks0), rtol=1e-6)
+        np.testing.assert_allclose(np.asarray(sum1), np.asarray(sum0), rtol=1e-5, atol=1e-5)
+        codes = np.abs(np.asarray(ki1, np.int32) - np.asarray(ki0, np.int32))
+        assert codes.max() <= 1 and np.mean(codes > 0) < 1e-3
+    with pytest.raises(ValueError, match="rows_per_program 48 must be a power of two dividing 128"):
+        run(sums_rows=48)
+
+
 def test_round_half_even_without_a_round_primitive():
     """The fused prologue's rounding (the Triton lowering has no `round`) is jnp.round, ties to even included."""
     from mxdit.pallas_kernels.attention import _round_half_even
