@@ -69,6 +69,24 @@ def _round(x: jax.Array, dtype) -> jax.Array:
     return x.astype(dtype).astype(jnp.float32)
 
 
+# The row kernels' sigmoid on the GPU: 1 / (1 + 2^(-x log2 e)) from `ex2.approx.ftz` and `rcp.approx.ftz`, as the
+# GEMM epilogue's (`gemm._fast_sigmoid`; relative error ~2^-21 before the bf16 rounding the models apply). Triton
+# lowers `1 / (1 + jnp.exp(-x))` to libdevice's expf and `div.full.f32` with their range handling: in SASS
+# (NOTES.md, session 20) `sigmoid_gated_fp8` took 825 instructions a program (24 values a thread), 482 this way.
+_SIGMOID_PTX = ("{ .reg .f32 e; mul.f32 e, $1, 0fBFB8AA3B; ex2.approx.ftz.f32 e, e; add.f32 e, e, 0f3F800000; "
+                "rcp.approx.ftz.f32 $0, e; }")  # 0fBFB8AA3B: float32(-log2 e)
+
+
+def _sigmoid(x: jax.Array, interpret: bool) -> jax.Array:
+    """sigmoid(x) of float32 x in a row kernel: the exact expression in interpret mode, `_SIGMOID_PTX` on the GPU."""
+    if interpret:
+        return 1.0 / (1.0 + jnp.exp(-x))
+    from jax.experimental.pallas import triton as pltriton
+
+    return pltriton.elementwise_inline_asm(_SIGMOID_PTX, args=[x], constraints="=r,r", pack=1,
+                                           result_shape_dtypes=[jax.ShapeDtypeStruct(x.shape, jnp.float32)])[0]
+
+
 # --------------------------------------------------------------------------------------------------------------------
 # The definitions
 
@@ -222,7 +240,7 @@ def swiglu_fp8(gate_up: jax.Array, *, backend: str = "triton", interpret: bool =
             for i in range(n_chunks):
                 g = gu_ref[r, pl.ds(i * c, c)].astype(jnp.float32)
                 u = gu_ref[r, pl.ds(h + i * c, c)].astype(jnp.float32)
-                y = _round(_round(g / (1.0 + jnp.exp(-g)), dtype) * u, dtype)  # as `swiglu`
+                y = _round(_round(g * _sigmoid(g, interpret), dtype) * u, dtype)  # as `swiglu`
                 ys.append(y)
                 amax = jnp.maximum(amax, jnp.max(jnp.abs(y)))
             _store_fp8_row(ys, amax, c, q_ref, s_ref, r, interpret=interpret)
@@ -279,7 +297,7 @@ def sigmoid_gated_fp8(out: jax.Array, stacked: jax.Array, gate_offset: int, *, b
             for i in range(n_chunks):
                 o = out_ref[r, pl.ds(i * c, c)].astype(jnp.float32)
                 g = stacked_ref[r, pl.ds(gate_offset + i * c, c)].astype(jnp.float32)
-                y = _round(o * _round(1.0 / (1.0 + jnp.exp(-g)), dtype), dtype)  # as `sigmoid_gated`
+                y = _round(o * _round(_sigmoid(g, interpret), dtype), dtype)  # as `sigmoid_gated`
                 ys.append(y)
                 amax = jnp.maximum(amax, jnp.max(jnp.abs(y)))
             _store_fp8_row(ys, amax, c, q_ref, s_ref, r, interpret=interpret)

@@ -50,6 +50,25 @@ def test_fused_fp8_producers_lower(name):
     assert lowers(fn, *shapes)
 
 
+@pytest.mark.parametrize("name", ["sigmoid_gated_fp8", "swiglu_fp8"])
+def test_row_kernels_take_the_sigmoid_from_ex2_and_rcp(name):
+    """`activations._SIGMOID_PTX` (the GEMM epilogue's fast sigmoid) instead of libdevice's expf and a division; its
+    constants are float32(-log2 e) and 1."""
+    import math
+    import struct
+
+    calls = {"sigmoid_gated_fp8": (lambda o, s: A.sigmoid_gated_fp8(o, s, gate_offset=256),
+                                   ((1, 64, 256), BF16), ((1, 64, 512), BF16)),
+             "swiglu_fp8": (A.swiglu_fp8, ((1, 64, 512), BF16))}
+    fn, *shapes = calls[name]
+    text = jax.jit(fn).trace(*(jax.ShapeDtypeStruct(s, d) for s, d in shapes)).lower(
+        lowering_platforms=("cuda",)).as_text()
+    assert "ex2.approx.ftz.f32" in text and "rcp.approx.ftz.f32" in text
+    assert "__nv_expf" not in text and "divf" not in text
+    hex_float = lambda v: "0f%08X" % struct.unpack("<I", struct.pack("<f", v))[0]
+    assert hex_float(-math.log2(math.e)) in A._SIGMOID_PTX and hex_float(1.0) in A._SIGMOID_PTX
+
+
 def test_fp8_row_quantization_divides_as_ieee_on_the_gpu():
     """Triton's float32 `/` is PTX's approximate `div.full.f32`: the row kernels' quotients come from inline PTX
     instead (a correctly rounded reciprocal and FMAs, `activations._QUOTIENT_PTX`), so `tokens_fp8`, which divides
