@@ -24,7 +24,7 @@ of its codes equal to the reference; SwiGLU in 141 us (XLA 231), 96.9% of codes 
 where the reference rounds to bf16 (its default excess precision), so the two differ by code flips at FP8 rounding
 boundaries, each within the quantization step. The norm's 2e-7 is the size of the differences Triton's approximate
 float32 division (`div.full.f32`) makes; since session 20 the kernels' quotients are IEEE division's
-(`_ieee_quotients`: bit-equal in numpy on hard cases; on the GPU not yet measured).
+(`ieee_quotients`: bit-equal in numpy on hard cases; on the GPU not yet measured).
 """
 
 from __future__ import annotations
@@ -358,7 +358,7 @@ def _for_each_row(rows: int, row, load=None) -> None:
 def _store_fp8_row(ys, amax, c, q_ref, s_ref, row=slice(None), *, interpret: bool = False):
     """`gemm._fp8_e4m3_rows`' rule for one row held as chunks: scale amax / 448 (1 for a zero row; NaN for a row
     holding NaN or Inf, whose values then mean nothing). `row`: which of the program's rows (all: its only one).
-    The quotients are IEEE division's (`_ieee_quotients`); `interpret`: jnp's division, which is IEEE there."""
+    The quotients are IEEE division's (`ieee_quotients`); `interpret`: jnp's division, which is IEEE there."""
     from jax.experimental import pallas as pl
 
     finite = amax <= np.float32(np.finfo(np.float32).max)  # False for Inf and NaN
@@ -366,7 +366,7 @@ def _store_fp8_row(ys, amax, c, q_ref, s_ref, row=slice(None), *, interpret: boo
     if interpret:
         qs = [jnp.clip(y / step, -FP8_MAX, FP8_MAX) for y in ys]
     else:
-        qs = _ieee_quotients(ys, amax, step)
+        qs = ieee_quotients(ys, step)
     for i, q in enumerate(qs):
         q_ref[row, pl.ds(i * c, c)] = jnp.where(finite, q, 0.0).astype(q_ref.dtype)
     s_ref[row, :] = jnp.where(finite, step, jnp.nan).reshape(1, 1)
@@ -374,16 +374,17 @@ def _store_fp8_row(ys, amax, c, q_ref, s_ref, row=slice(None), *, interpret: boo
 
 # Triton lowers float32 `/` to PTX's `div.full.f32`, an approximation (up to 2 ulp), so the kernels' codes could
 # differ from the rule's (IEEE `x / scale`) at FP8 rounding ties: differences of the size session 5 measured on the
-# norm (2e-7 of its codes). `_ieee_quotients` gives IEEE division's quotients from one correctly rounded reciprocal a
+# norm (2e-7 of its codes). `ieee_quotients` gives IEEE division's quotients from one correctly rounded reciprocal a
 # row and, a value, two multiplies and two FMAs (Markstein's correction; `markstein_quotient` is the same arithmetic
 # in numpy, which the tests check against division on hard cases). In SASS (ptxas 13.0 on the kernels' PTX, no GPU:
 # NOTES.md, session 20) that is 5 instructions a value with the select of finite rows, against 6 for `div.full.f32`'s
 # range scaling and multiply plus the clip, which the E4M3 conversion applies anyway (PTX's `cvt.rn.satfinite`, as
 # Triton converts; quotients pass 448 only where step is subnormal, in rows of amax below ~2^-117). The correction is
-# exact while the residual y - q * step cannot underflow for quotients that reach an FP8 code (>= 2^-11), i.e. step >=
-# 2^-92: rows of a smaller amax than `_MARKSTEIN_MIN_AMAX` divide y 2^64 by step 2^64 (the same quotient; `pre`
-# below). A branch per row instead (`lax.cond`) took the token kernel from 80 to 92 registers, and a CTA an SM less.
-_MARKSTEIN_MIN_AMAX = np.float32(2.0 ** -80)
+# exact while the residual y - q * step cannot underflow for quotients that reach a code (>= 2^-11 for E4M3, 0.5 for
+# INT8), i.e. step >= 2^-92: a step below `_MARKSTEIN_MIN_STEP` divides y 2^64 by step 2^64 (the same quotient;
+# `pre` below). A branch per row instead (`lax.cond`) took the token kernel from 80 to 92 registers, and a CTA an SM
+# less. The attention's K pass takes the same quotients, rounded to integers (`cvt.rni`: ties to even, jnp.round's).
+_MARKSTEIN_MIN_STEP = np.float32(2.0 ** -88)
 _MARKSTEIN_PRE = np.float32(2.0 ** 64)
 _QUOTIENT_PTX = """{
 .reg .f32 y, q, e;
@@ -392,13 +393,14 @@ mul.rn.f32 q, y, $4;
 neg.f32 e, y;
 fma.rn.f32 e, q, $3, e;
 neg.f32 e, e;
-fma.rn.f32 $0, e, $4, q;
+fma.rn.f32 %s, e, $4, q;%s
 }"""
 
 
-def _ieee_quotients(ys, amax, step):
-    """[y / step for y in ys] rounded as IEEE float32 division rounds, inside a Triton kernel (PTX): `_QUOTIENT_PTX`
-    on y, pre, step * pre and its reciprocal."""
+def ieee_quotients(ys, step, *, round_to_integer: bool = False):
+    """[y / step for y in ys] rounded as IEEE float32 division rounds (then to the nearest integer, ties to even:
+    `round_to_integer`), inside a Triton kernel (inline PTX: `_QUOTIENT_PTX` on y, pre, step * pre and its
+    reciprocal). step: one float32 for all of ys (a row's, a block's)."""
     from jax.experimental.pallas import triton as pltriton
 
     def asm(code, *args):
@@ -407,18 +409,21 @@ def _ieee_quotients(ys, amax, step):
             code, args=[jnp.broadcast_to(a, shape) for a in args], constraints="=r" + ",r" * len(args), pack=1,
             result_shape_dtypes=[jax.ShapeDtypeStruct(shape, jnp.float32)])[0]
 
-    pre = jnp.reshape(jnp.where(amax < _MARKSTEIN_MIN_AMAX, _MARKSTEIN_PRE, np.float32(1.0)), (1, 1))
-    step = jnp.reshape(step, (1, 1)) * pre  # exact: a power of two times a float32 far from overflow
+    step = jnp.reshape(step, (1, 1))
+    pre = jnp.where(step < _MARKSTEIN_MIN_STEP, _MARKSTEIN_PRE, np.float32(1.0))
+    step = step * pre  # exact: a power of two times a float32 far from overflow
     reciprocal = asm("rcp.rn.f32 $0, $1;", step)
-    return [asm(_QUOTIENT_PTX, y, pre, step, reciprocal) for y in ys]
+    code = _QUOTIENT_PTX % (("q", "\ncvt.rni.f32.f32 $0, q;") if round_to_integer else ("$0", ""))
+    return [asm(code, y, pre, step, reciprocal) for y in ys]
 
 
-def markstein_quotient(y: np.ndarray, step: np.ndarray, amax: np.ndarray, fma) -> np.ndarray:
-    """`_ieee_quotients`' arithmetic in numpy (float32 arrays; `fma(a, b, c)`: a * b + c rounded once): y / step as
-    IEEE division rounds it, for rows whose step is not 0 (amax > ~2^-141) and quotients >= 2^-11 (smaller ones
-    get the same FP8 code). The residual is computed negated so that y = -0 keeps its sign."""
-    y, step, amax = (np.asarray(v, np.float32) for v in (y, step, amax))
-    pre = np.where(amax < _MARKSTEIN_MIN_AMAX, _MARKSTEIN_PRE, np.float32(1.0))
+def markstein_quotient(y: np.ndarray, step: np.ndarray, fma, *, scale_small: bool = True) -> np.ndarray:
+    """`ieee_quotients`' arithmetic in numpy (float32 arrays; `fma(a, b, c)`: a * b + c rounded once): y / step as
+    IEEE division rounds it, for step > 0 and quotients >= 2^-11 (smaller ones get the same E4M3 code).
+    The residual is computed negated so that y = -0 keeps its sign. `scale_small=False`: without the scaling of
+    steps below `_MARKSTEIN_MIN_STEP` (to show what it is for)."""
+    y, step = np.asarray(y, np.float32), np.asarray(step, np.float32)
+    pre = np.where((step < _MARKSTEIN_MIN_STEP) & scale_small, _MARKSTEIN_PRE, np.float32(1.0))
     step = step * pre
     reciprocal = np.float32(1) / step  # numpy's division is IEEE: rcp.rn.f32
     y = y * pre

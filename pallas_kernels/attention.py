@@ -28,6 +28,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .activations import ieee_quotients
+
 
 def _quantize_int8_blocks(x: jax.Array, block: int) -> tuple[jax.Array, jax.Array]:
     """x (batch, seq, heads, dim) -> int8 values and float32 scales (batch, seq_blocks, heads), per `block` tokens."""
@@ -1072,8 +1074,8 @@ K_PASS_ROWS = 32
 # a whole key block (the blocks' sums and ranges then combine their parts in XLA). Both only reorder float32
 # operations (the parts' sums; a row's norm reduced over another layout): K's codes may move by one at a rounding tie.
 # Their SASS (ptxas on the kernels' PTX compiled here from their TTIR; NOTES.md, session 20): the K pass at 8 warps x
-# 32 tokens 60 -> 36 instructions a value and 63 -> 48 registers with the pairs split (no 16-bit strided loads; 96 ->
-# 6 shuffles); the sums pass of 128 tokens with V's range holds 255 registers (179 split), one 8-warp program an SM,
+# 32 tokens 52 -> 29 instructions a value (IEEE quotients; 60 -> 36 before them) and 63 -> 48 registers with the
+# pairs split (no 16-bit strided loads; 96 -> 6 shuffles); the sums pass of 128 tokens with V's range holds 255 registers (179 split), one 8-warp program an SM,
 # 396 programs at Krea 2's size; 8 warps x 32 tokens split: 48 registers, 5 programs an SM by registers.
 K_SPLIT_PAIRS = False
 K_SUMS_ROWS = None
@@ -1246,10 +1248,20 @@ def _rms_rope_quantize(x, weight, eps, cos_half, sin_half, mean, lengths, multip
                 real, imag = jnp.where(keep, real, 0.0), jnp.where(keep, imag, 0.0)
             if steps_ref is None:
                 amax = jnp.maximum(jnp.max(jnp.abs(real)), jnp.max(jnp.abs(imag)))
-                step = jnp.where(amax > 0, amax / 127.0, 1.0)
+                if interpret:
+                    step = jnp.where(amax > 0, amax / 127.0, 1.0)
+                else:  # IEEE's amax / 127, as the reference's (Triton's `/` is div.full.f32): once a program
+                    amax = jnp.reshape(amax, (1, 1))
+                    step = jnp.where(amax > 0, pltriton.elementwise_inline_asm(
+                        "div.rn.f32 $0, $1, 0f42FE0000;", args=[amax], constraints="=r,r", pack=1,
+                        result_shape_dtypes=[jax.ShapeDtypeStruct((1, 1), jnp.float32)])[0], 1.0)  # 0f42FE0000: 127
             else:
                 step = steps_ref[one]
-            parts = [jnp.clip(_round_half_even(v / step), -127, 127).astype(jnp.int8) for v in (real, imag)]
+            if interpret:
+                rounded = [_round_half_even(v / step) for v in (real, imag)]
+            else:  # IEEE quotients rounded to integers, ties to even (`activations.ieee_quotients`)
+                rounded = ieee_quotients([real, imag], step, round_to_integer=True)
+            parts = [jnp.clip(v, -127, 127).astype(jnp.int8) for v in rounded]
             if natural_order:  # the pairs joined in registers: one contiguous store (strided ones: +12% time)
                 q_ref[:, one, :] = jnp.stack(parts, axis=-1).reshape(tile, 1, d)
             else:  # `_deinterleave`'s order: the halves

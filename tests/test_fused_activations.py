@@ -250,34 +250,33 @@ def _hard_quotients(rng, n, step_exponents=(-92, 100)):
 
 def test_markstein_quotient_equals_ieee_division():
     """The GPU kernels' quotient (a correctly rounded reciprocal a row, two multiplies and two FMAs a value:
-    `_ieee_quotients`) is IEEE float32 division's, bit for bit: on quotients next to float32 ties, on random rows
-    quantized by the rule with amax from 2^120 down to subnormals (the rows below `_MARKSTEIN_MIN_AMAX` take the
+    `ieee_quotients`) is IEEE float32 division's, bit for bit: on quotients next to float32 ties, on random rows
+    quantized by the rule with amax from 2^120 down to subnormals (the steps below `_MARKSTEIN_MIN_STEP` take the
     scaled operands), and for signed zeros."""
     rng = np.random.default_rng(1)
     y, step = _hard_quotients(rng, 20000)
-    big = np.float32(1.0)  # amax above the threshold: the operands as they are
-    got, want = A.markstein_quotient(y, step, big, _fma_f32), y / step
+    got, want = A.markstein_quotient(y, step, _fma_f32), y / step
     np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
     # the cases are hard: a multiply by the reciprocal alone (div.full.f32's method) misses many of them
     assert np.mean(y * (np.float32(1) / step) != want) > 0.1
-    # steps of 2^-125 to 2^-90 (|y| < 2^-80: the scaled operands), where the unscaled residual would underflow
+    # steps of 2^-125 to 2^-90 (the scaled operands), where the unscaled residual would underflow
     y, step = _hard_quotients(rng, 20000, step_exponents=(-125, -90))
     want = y / step
-    np.testing.assert_array_equal(A.markstein_quotient(y, step, np.abs(y), _fma_f32).view(np.uint32),
-                                  want.view(np.uint32))
-    unscaled = A.markstein_quotient(y, step, np.float32(1.0), _fma_f32)
-    assert np.mean(unscaled != want) > 0  # which is why they are scaled
+    np.testing.assert_array_equal(A.markstein_quotient(y, step, _fma_f32).view(np.uint32), want.view(np.uint32))
+    assert np.mean(A.markstein_quotient(y, step, _fma_f32, scale_small=False) != want) > 0  # why they are scaled
 
     exponents = np.concatenate([rng.integers(-75, 120, 300), rng.integers(-141, -75, 300)])
     rows = (rng.standard_normal((600, 512)) * 2.0 ** exponents[:, None]).astype(np.float32)
     rows[:, :8] = 0.0
     rows[:, 8:16] = -0.0
     rows[0, 5] = np.finfo(np.float32).max
-    rows[1, 5] = A._MARKSTEIN_MIN_AMAX  # the threshold itself: operands as they are
+    for i, side in ((1, 1.0), (2, 1.0 + 2.0 ** -20), (3, 1.0 - 2.0 ** -20)):  # steps at the threshold and either side
+        rows[i] = rows[i] / np.abs(rows[i]).max() * (A._MARKSTEIN_MIN_STEP * np.float32(A.FP8_MAX) * side)
     amax = np.max(np.abs(rows), axis=1, keepdims=True)
     step = (amax * np.float32(1.0 / A.FP8_MAX)).astype(np.float32)
     assert (step > 0).all() and (step < 2.0 ** -126).any()  # subnormal steps among them
-    got = A.markstein_quotient(rows, step, amax, _fma_f32)
+    assert step[2, 0] > A._MARKSTEIN_MIN_STEP > step[3, 0]
+    got = A.markstein_quotient(rows, step, _fma_f32)
     want = rows / step
     np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))  # -0 stays -0
     assert np.signbit(got[:, 8:16]).all()

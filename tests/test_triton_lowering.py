@@ -111,6 +111,12 @@ def test_k_prologue_in_natural_channel_order_lowers(monkeypatch, v_range, k_step
 
     assert lowers(prologue, ((1, 256, 120, 128), BF16), ((2, 128), F32), ((256, 128), F32), ((256, 128), F32),
                   ((1,), jnp.int32))
+    text = jax.jit(prologue).trace(*(jax.ShapeDtypeStruct(s, d) for s, d in (
+        ((1, 256, 120, 128), BF16), ((2, 128), F32), ((256, 128), F32), ((256, 128), F32), ((1,), jnp.int32)))).lower(
+        lowering_platforms=("cuda",)).as_text()
+    # K's codes from IEEE quotients rounded to even in PTX; a block's own step by div.rn (`ieee_quotients`)
+    assert "cvt.rni.f32.f32" in text and "fma.rn.f32" in text
+    assert ("div.rn.f32" in text) == (not k_steps)
 
 
 @pytest.mark.parametrize("pv", ["bf16", "fp8"])
