@@ -400,7 +400,8 @@ fma.rn.f32 %s, e, $4, q;%s
 def ieee_quotients(ys, step, *, round_to_integer: bool = False):
     """[y / step for y in ys] rounded as IEEE float32 division rounds (then to the nearest integer, ties to even:
     `round_to_integer`), inside a Triton kernel (inline PTX: `_QUOTIENT_PTX` on y, pre, step * pre and its
-    reciprocal). step: one float32 for all of ys (a row's, a block's)."""
+    reciprocal). step: one float32 for all of ys (a row's, a block's), or an array that broadcasts against each y
+    (a step a channel: (1, d))."""
     from jax.experimental.pallas import triton as pltriton
 
     def asm(code, *args):
@@ -409,7 +410,7 @@ def ieee_quotients(ys, step, *, round_to_integer: bool = False):
             code, args=[jnp.broadcast_to(a, shape) for a in args], constraints="=r" + ",r" * len(args), pack=1,
             result_shape_dtypes=[jax.ShapeDtypeStruct(shape, jnp.float32)])[0]
 
-    step = jnp.reshape(step, (1, 1))
+    step = jnp.reshape(step, (1, 1)) if jnp.ndim(step) < 2 else step
     pre = jnp.where(step < _MARKSTEIN_MIN_STEP, _MARKSTEIN_PRE, np.float32(1.0))
     step = step * pre  # exact: a power of two times a float32 far from overflow
     reciprocal = asm("rcp.rn.f32 $0, $1;", step)

@@ -378,7 +378,11 @@ def v_fp8_operand(v: jax.Array, block: int, *, permute_keys: bool, kv_lengths: j
 
     def kernel(lengths_ref, v_ref, s_ref, m_ref, o_ref):
         rows = pl.program_id(2) * block + jax.lax.broadcasted_iota(jnp.int32, (block, d), 0)
-        y = (v_ref[...].astype(jnp.float32) - m_ref[...][None, :]) / s_ref[...][None, :]
+        centred = v_ref[...].astype(jnp.float32) - m_ref[...][None, :]
+        if interpret:
+            y = centred / s_ref[...][None, :]
+        else:  # IEEE's quotients, as the reference's (Triton's `/` is div.full.f32)
+            (y,) = ieee_quotients([centred], s_ref[...][None, :])
         y = jnp.where(rows < lengths_ref[pl.program_id(0)], y, 0.0)
         if permute_keys:  # (16-key group, hi, c, lo, dim) -> (dim, group, c, hi, lo)
             y = y.reshape(block // 16, 2, 4, 2, d).transpose(4, 0, 2, 1, 3).reshape(d, block)

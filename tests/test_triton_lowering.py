@@ -80,6 +80,21 @@ def test_fp8_row_quantization_divides_as_ieee_on_the_gpu():
     assert "divf" not in text
 
 
+@pytest.mark.parametrize("permute_keys", [False, True])
+def test_v_fp8_operand_lowers_with_ieee_quotients(permute_keys):
+    """V's FP8 operand pass (read in place from Krea 2's stacked product, a scale and a mean a channel given):
+    lowers, dividing by the channel scales with `activations.ieee_quotients`, not Triton's `/`."""
+    def operand(x, scale, mean, lengths):
+        return attention.v_fp8_operand(x, 128, permute_keys=permute_keys, kv_lengths=lengths,
+                                       scale_and_mean=(scale, mean), heads=(60, 12))[0]
+
+    shapes = (((1, 256, 120, 128), BF16), ((1, 12, 128), F32), ((1, 12, 128), F32), ((1,), jnp.int32))
+    assert lowers(operand, *shapes)
+    text = jax.jit(operand).trace(*(jax.ShapeDtypeStruct(s, d) for s, d in shapes)).lower(
+        lowering_platforms=("cuda",)).as_text()
+    assert "rcp.rn.f32" in text and "fma.rn.f32" in text and "divf" not in text
+
+
 @pytest.mark.parametrize("heads_per_program, split_pairs", [(1, False), (2, False), (4, False), (1, True), (4, True)])
 def test_qk_prologue_lowers_with_heads_grouped(heads_per_program, split_pairs):
     """Krea 2's layout (48 query and 12 KV heads in one stacked product), the masked keys read after the queries;
