@@ -375,15 +375,16 @@ def _store_fp8_row(ys, amax, c, q_ref, s_ref, row=slice(None), *, interpret: boo
 # Triton lowers float32 `/` to PTX's `div.full.f32`, an approximation (up to 2 ulp), so the kernels' codes could
 # differ from the rule's (IEEE `x / scale`) at FP8 rounding ties: differences of the size session 5 measured on the
 # norm (2e-7 of its codes). `ieee_quotients` gives IEEE division's quotients from one correctly rounded reciprocal a
-# row and, a value, two multiplies and two FMAs (Markstein's correction; `markstein_quotient` is the same arithmetic
-# in numpy, which the tests check against division on hard cases). In SASS (ptxas 13.0 on the kernels' PTX, no GPU:
-# NOTES.md, session 20) that is 5 instructions a value with the select of finite rows, against 6 for `div.full.f32`'s
-# range scaling and multiply plus the clip, which the E4M3 conversion applies anyway (PTX's `cvt.rn.satfinite`, as
-# Triton converts; quotients pass 448 only where step is subnormal, in rows of amax below ~2^-117). The correction is
-# exact while the residual y - q * step cannot underflow for quotients that reach a code (>= 2^-11 for E4M3, 0.5 for
-# INT8), i.e. step >= 2^-92: a step below `_MARKSTEIN_MIN_STEP` divides y 2^64 by step 2^64 (the same quotient;
-# `pre` below). A branch per row instead (`lax.cond`) took the token kernel from 80 to 92 registers, and a CTA an SM
-# less. The attention's K pass takes the same quotients, rounded to integers (`cvt.rni`: ties to even, jnp.round's).
+# row (or a block's, a channel's) and, a value, two multiplies and two FMAs (Markstein's correction;
+# `markstein_quotient` is the same arithmetic in numpy, which the tests check against division on hard cases). In SASS
+# (ptxas 13.0 on the kernels' PTX, no GPU: NOTES.md, session 20) that is 5 instructions a value with the select of
+# finite rows, against 6 for `div.full.f32`'s range scaling and multiply plus the clip, which the E4M3 conversion
+# applies anyway (PTX's `cvt.rn.satfinite`, as Triton converts; quotients pass 448 only where step is subnormal, in
+# rows of amax below ~2^-117). The correction is exact while the residual y - q * step cannot underflow for quotients
+# that reach a code (>= 2^-11 for E4M3, 0.5 for INT8), i.e. step >= 2^-92: a step below `_MARKSTEIN_MIN_STEP` divides
+# y 2^64 by step 2^64 (the same quotient; `pre` below). A branch per row instead (`lax.cond`) took the token kernel
+# from 80 to 92 registers, and a CTA an SM less. The attention's K pass takes the same quotients, rounded to integers
+# (`cvt.rni`: ties to even, jnp.round's).
 _MARKSTEIN_MIN_STEP = np.float32(2.0 ** -88)
 _MARKSTEIN_PRE = np.float32(2.0 ** 64)
 _QUOTIENT_PTX = """{

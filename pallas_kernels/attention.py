@@ -1078,9 +1078,10 @@ K_PASS_ROWS = 32
 # a whole key block (the blocks' sums and ranges then combine their parts in XLA). Both only reorder float32
 # operations (the parts' sums; a row's norm reduced over another layout): K's codes may move by one at a rounding tie.
 # Their SASS (ptxas on the kernels' PTX compiled here from their TTIR; NOTES.md, session 20): the K pass at 8 warps x
-# 32 tokens 52 -> 29 instructions a value (IEEE quotients; 60 -> 36 before them) and 63 -> 48 registers with the
-# pairs split (no 16-bit strided loads; 96 -> 6 shuffles); the sums pass of 128 tokens with V's range holds 255 registers (179 split), one 8-warp program an SM,
-# 396 programs at Krea 2's size; 8 warps x 32 tokens split: 48 registers, 5 programs an SM by registers.
+# 32 tokens 52 -> 29 instructions a value (IEEE quotients; 60 -> 36 before them) and 63 -> 48 registers with the pairs
+# split (no 16-bit strided loads; 96 -> 6 shuffles); the sums pass of 128 tokens with V's range holds 255 registers
+# (179 split), one 8-warp program an SM, 396 programs at Krea 2's size; 8 warps x 32 tokens split: 48 registers, 5
+# programs an SM by registers.
 K_SPLIT_PAIRS = False
 K_SUMS_ROWS = None
 
