@@ -593,8 +593,9 @@ def test_prologue_block_sums_read_v_range_in_place(heads_per_program):
 
 
 def test_fused_mosaic_fp8_attention_takes_v_range_from_the_k_sums_pass(monkeypatch):
-    """FP8 P.V's V scales and means from K's sums pass (`MOSAIC_V_RANGE_IN_K_SUMS`) or from an XLA reduction over V:
-    the same attention but for sums taken in another order (a code may flip at an FP8 rounding boundary)."""
+    """FP8 P.V's V scales and means from K's sums pass (`MOSAIC_V_RANGE_IN_K_SUMS`) or from an XLA reduction over V,
+    and with the K side's switches (`K_SPLIT_PAIRS`, `K_SUMS_ROWS`): the same attention but for sums taken in another
+    order (a code may flip at a rounding boundary)."""
     from mxdit.pallas_kernels import attention as A
 
     q, k, v, (nq, nk), cos, sin = _raw_projections(13, s=128)
@@ -609,6 +610,12 @@ def test_fused_mosaic_fp8_attention_takes_v_range_from_the_k_sums_pass(monkeypat
         monkeypatch.setattr(A, "MOSAIC_V_RANGE_IN_K_SUMS", flag)
         outs[flag] = A.int8_attention_fused_stacked(qkv, 4, 2, nq, nk, 1e-6, cos, sin, **options).astype(jnp.float32)
     assert relative_l1(outs[True], outs[False]) <= 1e-3  # measured: equal
+    # the K side's switches (pairs split in registers, the sums pass in parts of 32 keys) through the whole call
+    monkeypatch.setattr(A, "MOSAIC_V_RANGE_IN_K_SUMS", True)
+    monkeypatch.setattr(A, "K_SPLIT_PAIRS", True)
+    monkeypatch.setattr(A, "K_SUMS_ROWS", 32)
+    switched = A.int8_attention_fused_stacked(qkv, 4, 2, nq, nk, 1e-6, cos, sin, **options).astype(jnp.float32)
+    assert relative_l1(switched, outs[True]) <= 1e-3
     truth = exact(A.rms_rope_reference(q, nq, 1e-6, cos, sin), A.rms_rope_reference(k, nk, 1e-6, cos, sin),
                   v.astype(jnp.float32), lengths)
     assert cosine(outs[True], truth) >= 0.999 and relative_l1(outs[True], truth) <= BOUNDS["fp8"]
