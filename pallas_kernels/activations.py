@@ -77,14 +77,22 @@ _SIGMOID_PTX = ("{ .reg .f32 e; mul.f32 e, $1, 0fBFB8AA3B; ex2.approx.ftz.f32 e,
                 "rcp.approx.ftz.f32 $0, e; }")  # 0fBFB8AA3B: float32(-log2 e)
 
 
+def ptx_f32(code: str, *args) -> jax.Array:
+    """Inline PTX inside a Triton kernel, a float32 result a value: `code` reads $1... (args, float32, broadcast to
+    the first one's shape) and writes $0."""
+    from jax.experimental.pallas import triton as pltriton
+
+    shape = args[0].shape
+    return pltriton.elementwise_inline_asm(
+        code, args=[jnp.broadcast_to(a, shape) for a in args], constraints="=r" + ",r" * len(args), pack=1,
+        result_shape_dtypes=[jax.ShapeDtypeStruct(shape, jnp.float32)])[0]
+
+
 def _sigmoid(x: jax.Array, interpret: bool) -> jax.Array:
     """sigmoid(x) of float32 x in a row kernel: the exact expression in interpret mode, `_SIGMOID_PTX` on the GPU."""
     if interpret:
         return 1.0 / (1.0 + jnp.exp(-x))
-    from jax.experimental.pallas import triton as pltriton
-
-    return pltriton.elementwise_inline_asm(_SIGMOID_PTX, args=[x], constraints="=r,r", pack=1,
-                                           result_shape_dtypes=[jax.ShapeDtypeStruct(x.shape, jnp.float32)])[0]
+    return ptx_f32(_SIGMOID_PTX, x)
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -403,20 +411,12 @@ def ieee_quotients(ys, step, *, round_to_integer: bool = False):
     `round_to_integer`), inside a Triton kernel (inline PTX: `_QUOTIENT_PTX` on y, pre, step * pre and its
     reciprocal). step: one float32 for all of ys (a row's, a block's), or an array that broadcasts against each y
     (a step a channel: (1, d))."""
-    from jax.experimental.pallas import triton as pltriton
-
-    def asm(code, *args):
-        shape = args[0].shape
-        return pltriton.elementwise_inline_asm(
-            code, args=[jnp.broadcast_to(a, shape) for a in args], constraints="=r" + ",r" * len(args), pack=1,
-            result_shape_dtypes=[jax.ShapeDtypeStruct(shape, jnp.float32)])[0]
-
     step = jnp.reshape(step, (1, 1)) if jnp.ndim(step) < 2 else step
     pre = jnp.where(step < _MARKSTEIN_MIN_STEP, _MARKSTEIN_PRE, np.float32(1.0))
     step = step * pre  # exact: a power of two times a float32 far from overflow
-    reciprocal = asm("rcp.rn.f32 $0, $1;", step)
+    reciprocal = ptx_f32("rcp.rn.f32 $0, $1;", step)
     code = _QUOTIENT_PTX % (("q", "\ncvt.rni.f32.f32 $0, q;") if round_to_integer else ("$0", ""))
-    return [asm(code, y, pre, step, reciprocal) for y in ys]
+    return [ptx_f32(code, y, pre, step, reciprocal) for y in ys]
 
 
 def markstein_quotient(y: np.ndarray, step: np.ndarray, fma, *, scale_small: bool = True) -> np.ndarray:

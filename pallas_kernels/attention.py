@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .activations import ieee_quotients
+from .activations import ieee_quotients, ptx_f32
 
 
 def _quantize_int8_blocks(x: jax.Array, block: int) -> tuple[jax.Array, jax.Array]:
@@ -1257,9 +1257,7 @@ def _rms_rope_quantize(x, weight, eps, cos_half, sin_half, mean, lengths, multip
                     step = jnp.where(amax > 0, amax / 127.0, 1.0)
                 else:  # IEEE's amax / 127, as the reference's (Triton's `/` is div.full.f32): once a program
                     amax = jnp.reshape(amax, (1, 1))
-                    step = jnp.where(amax > 0, pltriton.elementwise_inline_asm(
-                        "div.rn.f32 $0, $1, 0f42FE0000;", args=[amax], constraints="=r,r", pack=1,
-                        result_shape_dtypes=[jax.ShapeDtypeStruct((1, 1), jnp.float32)])[0], 1.0)  # 0f42FE0000: 127
+                    step = jnp.where(amax > 0, ptx_f32("div.rn.f32 $0, $1, 0f42FE0000;", amax), 1.0)  # 0f42FE0000: 127
             else:
                 step = steps_ref[one]
             if interpret:

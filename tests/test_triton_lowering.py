@@ -14,10 +14,14 @@ from mxdit.pallas_kernels import attention, gemm
 pytestmark = pytest.mark.usefixtures("hopper")  # conftest.py: the compute capability the lowering asks for
 
 
-def lowers(fn, *shapes):
-    text = jax.jit(fn).trace(*(jax.ShapeDtypeStruct(s, d) for s, d in shapes)).lower(
+def lowered_text(fn, *shapes) -> str:
+    """fn's StableHLO lowered for the GPU on (shape, dtype) pairs; Triton kernels' IR and inline PTX are in it."""
+    return jax.jit(fn).trace(*(jax.ShapeDtypeStruct(s, d) for s, d in shapes)).lower(
         lowering_platforms=("cuda",)).as_text()
-    return "xla.gpu.triton" in text
+
+
+def lowers(fn, *shapes):
+    return "xla.gpu.triton" in lowered_text(fn, *shapes)
 
 
 BF16, F32 = jnp.bfloat16, jnp.float32
@@ -61,8 +65,7 @@ def test_row_kernels_take_the_sigmoid_from_ex2_and_rcp(name):
                                    ((1, 64, 256), BF16), ((1, 64, 512), BF16)),
              "swiglu_fp8": (A.swiglu_fp8, ((1, 64, 512), BF16))}
     fn, *shapes = calls[name]
-    text = jax.jit(fn).trace(*(jax.ShapeDtypeStruct(s, d) for s, d in shapes)).lower(
-        lowering_platforms=("cuda",)).as_text()
+    text = lowered_text(fn, *shapes)
     assert "ex2.approx.ftz.f32" in text and "rcp.approx.ftz.f32" in text
     assert "__nv_expf" not in text and "divf" not in text
     hex_float = lambda v: "0f%08X" % struct.unpack("<I", struct.pack("<f", v))[0]
@@ -73,8 +76,7 @@ def test_fp8_row_quantization_divides_as_ieee_on_the_gpu():
     """Triton's float32 `/` is PTX's approximate `div.full.f32`: the row kernels' quotients come from inline PTX
     instead (a correctly rounded reciprocal and FMAs, `activations._QUOTIENT_PTX`), so `tokens_fp8`, which divides
     nowhere else, lowers with no `arith.divf` at all."""
-    text = jax.jit(A.tokens_fp8).trace(jax.ShapeDtypeStruct((1, 64, 256), BF16)).lower(
-        lowering_platforms=("cuda",)).as_text()
+    text = lowered_text(A.tokens_fp8, ((1, 64, 256), BF16))
     for asm in ("rcp.rn.f32", "fma.rn.f32"):
         assert asm in text
     assert "divf" not in text
@@ -89,9 +91,8 @@ def test_v_fp8_operand_lowers_with_ieee_quotients(permute_keys):
                                        scale_and_mean=(scale, mean), heads=(60, 12))[0]
 
     shapes = (((1, 256, 120, 128), BF16), ((1, 12, 128), F32), ((1, 12, 128), F32), ((1,), jnp.int32))
-    assert lowers(operand, *shapes)
-    text = jax.jit(operand).trace(*(jax.ShapeDtypeStruct(s, d) for s, d in shapes)).lower(
-        lowering_platforms=("cuda",)).as_text()
+    text = lowered_text(operand, *shapes)
+    assert "xla.gpu.triton" in text
     assert "rcp.rn.f32" in text and "fma.rn.f32" in text and "divf" not in text
 
 
@@ -124,11 +125,9 @@ def test_k_prologue_in_natural_channel_order_lowers(monkeypatch, v_range, k_step
                                       k_only=True, values=(x, (60, 12)) if v_range else None,
                                       split_pairs=split_pairs, sums_rows=sums_rows)[2:]
 
-    assert lowers(prologue, ((1, 256, 120, 128), BF16), ((2, 128), F32), ((256, 128), F32), ((256, 128), F32),
-                  ((1,), jnp.int32))
-    text = jax.jit(prologue).trace(*(jax.ShapeDtypeStruct(s, d) for s, d in (
-        ((1, 256, 120, 128), BF16), ((2, 128), F32), ((256, 128), F32), ((256, 128), F32), ((1,), jnp.int32)))).lower(
-        lowering_platforms=("cuda",)).as_text()
+    text = lowered_text(prologue, ((1, 256, 120, 128), BF16), ((2, 128), F32), ((256, 128), F32), ((256, 128), F32),
+                        ((1,), jnp.int32))
+    assert "xla.gpu.triton" in text
     # K's codes from IEEE quotients rounded to even in PTX; a block's own step by div.rn (`ieee_quotients`)
     assert "cvt.rni.f32.f32" in text and "fma.rn.f32" in text
     assert ("div.rn.f32" in text) == (not k_steps)
