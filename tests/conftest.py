@@ -39,3 +39,26 @@ def hopper(monkeypatch):
 
     monkeypatch.setattr(pallas_call_registration.gpu_info_lib, "get_gpu_info",
                         lambda: types.SimpleNamespace(compute_capability=90))
+
+
+def pytest_collection_modifyitems(config, items):
+    """The GPU tier (`-m gpu`) is skipped, with the reason, where JAX sees no GPU."""
+    if jax.default_backend() == "gpu":
+        return
+    skip = pytest.mark.skip(reason=f"needs a CUDA GPU (JAX's backend here is {jax.default_backend()!r})")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+def pytest_terminal_summary(terminalreporter):
+    """What the GPU tier measured: each test's recorded errors (`record_property`), one line a test."""
+    reports = [r for key in ("passed", "failed") for r in terminalreporter.stats.get(key, [])
+               if r.when == "call" and "gpu" in r.keywords and r.user_properties]
+    if not reports:
+        return
+    terminalreporter.section("measured on the GPU")
+    for report in sorted(reports, key=lambda r: r.nodeid):
+        values = ", ".join(f"{name} {value:.3g}" if isinstance(value, float) else f"{name} {value}"
+                           for name, value in report.user_properties)
+        terminalreporter.write_line(f"{report.outcome:6} {report.nodeid.split('::', 1)[1]}: {values}")
