@@ -12,7 +12,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from .layers import Linear
-from .loading import config_from_dict, load_state, open_checkpoint, read_json
+from .loading import Checkpoint, KeyMap, config_from_dict, load_state, open_checkpoint, read_json
 
 
 @dataclasses.dataclass(frozen=True)
@@ -153,12 +153,17 @@ class CLIPTextEncoder(nnx.Module):
             config = CLIPTextConfig.from_json(config)
         if path.is_dir() and config is None:
             config = CLIPTextConfig.from_json(path / "config.json")
-        return load_state(
-            lambda: cls(config or CLIPTextConfig(), dtype=dtype, rngs=nnx.Rngs(0)),
-            open_checkpoint(path, "model"),
+        config, keys = cls.key_map(open_checkpoint(path, "model"), config)
+        return load_state(lambda: cls(config, dtype=dtype, rngs=nnx.Rngs(0)), keys, source=str(path))
+
+    @staticmethod
+    def key_map(checkpoint: Checkpoint, config: CLIPTextConfig | None = None) -> tuple[CLIPTextConfig, KeyMap]:
+        """How `checkpoint` maps onto the module (vision tower and projections ignored), and its config: `config` or
+        ViT-L/14's text config."""
+        return config or CLIPTextConfig(), KeyMap(
+            checkpoint,
             # transformers 5 saves CLIPTextModel without its `text_model.` prefix; older saves (FLUX's repo) keep it
             rename=lambda k: k if k.startswith(("text_model.", "vision_model.")) else "text_model." + k,
-            ignore=lambda k: k.startswith(("vision_model.", "text_model.visual_projection", "text_model.text_projection",
-                                           "text_model.logit_scale")) or k.endswith("position_ids"),
-            source=str(path),
-        )
+            ignore=lambda k: k.startswith(("vision_model.", "text_model.visual_projection",
+                                           "text_model.text_projection", "text_model.logit_scale"))
+            or k.endswith("position_ids"))

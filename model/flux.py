@@ -18,7 +18,8 @@ from flax import nnx
 
 from .layers import (FP8Activations, Linear, apply_rotary, attention, attention_implementation, fp8_input_backend,
                      fused_fp8_producer, remat_call, rotary_tables, stacked_linear)
-from .loading import (CheckpointError, DerivedCheckpoint, config_from_dict, load_state, open_checkpoint, read_json)
+from .loading import (Checkpoint, CheckpointError, DerivedCheckpoint, KeyMap, config_from_dict, load_state,
+                      open_checkpoint, read_json)
 
 AttentionImpl = str  # "xla" or "cudnn"
 
@@ -393,13 +394,20 @@ class FluxTransformer(nnx.Module):
             config = FluxConfig.from_json(config)
         if path.is_dir() and config is None:
             config = FluxConfig.from_json(path / "config.json")
-        checkpoint = open_checkpoint(path, "diffusion_pytorch_model")
+        config, keys = cls.key_map(open_checkpoint(path, "diffusion_pytorch_model"), config, str(path))
+        return load_state(lambda: cls(config, dtype=dtype, attention=attention, rngs=nnx.Rngs(0)), keys,
+                          source=str(path))
+
+    @staticmethod
+    def key_map(checkpoint: Checkpoint, config: FluxConfig | None = None,
+                source: str = "checkpoint") -> tuple[FluxConfig, KeyMap]:
+        """How `checkpoint` (diffusers' key names, or the original release's seen through `original_checkpoint_view`)
+        maps onto the module, and its config: `config`, or FLUX.1's sizes read from the weights."""
         if any(k.replace("model.diffusion_model.", "").startswith("double_blocks.") for k in checkpoint.keys()):
             checkpoint = original_checkpoint_view(checkpoint)
         if config is None:
-            config = _config_from_shapes(checkpoint, path)
-        return load_state(lambda: cls(config, dtype=dtype, attention=attention, rngs=nnx.Rngs(0)), checkpoint,
-                          source=str(path))
+            config = _config_from_shapes(checkpoint, source)
+        return config, KeyMap(checkpoint)
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -417,7 +425,7 @@ def _swap_halves(array):
     return np.concatenate([scale, shift], axis=0)
 
 
-def original_checkpoint_view(checkpoint) -> DerivedCheckpoint:
+def original_checkpoint_view(checkpoint: Checkpoint) -> DerivedCheckpoint:
     """The original FLUX layout presented under diffusers' names, fused tensors split lazily on read."""
     keys = {k.replace("model.diffusion_model.", ""): k for k in checkpoint.keys()}
     derived = {}
@@ -482,7 +490,7 @@ def original_checkpoint_view(checkpoint) -> DerivedCheckpoint:
     return DerivedCheckpoint(checkpoint, derived, unknown)
 
 
-def _config_from_shapes(checkpoint, path: Path) -> FluxConfig:
+def _config_from_shapes(checkpoint: Checkpoint, path: str) -> FluxConfig:
     keys = set(checkpoint.keys())
     if "x_embedder.weight" not in keys:
         raise CheckpointError(f"{path}: not a FLUX transformer checkpoint (no x_embedder / img_in weight)")

@@ -26,7 +26,8 @@ from flax import nnx
 from .layers import (INT8_ATTENTION, FP8Activations, Linear, apply_rotary, attention, attention_implementation,
                      fp8_input_backend, fused_fp8_producer, int8_attention_from_projections,
                      int8_attention_from_stacked, remat_call, rotary_tables, shard_activation, stacked_linear)
-from .loading import CheckpointError, config_from_dict, load_state, open_checkpoint, read_json
+from .loading import (Checkpoint, CheckpointError, KeyMap, config_from_dict, load_state, open_checkpoint,
+                      read_json)
 
 AttentionImpl = Literal["xla", "cudnn", "int8", "int8_fp8", "int8_mosaic", "int8_mosaic_fp8"]  # ATTENTION_KERNELS
 # An attention function (q, k, v, kv_lengths) -> out in place of a kernel name, e.g. sharding/'s sequence-parallel
@@ -552,18 +553,21 @@ class Krea2Transformer(nnx.Module):
             config = Krea2Config.from_json(config)
         if path.is_dir() and config is None:
             config = Krea2Config.from_json(path / "config.json")
-        checkpoint = open_checkpoint(path, "diffusion_pytorch_model")
+        config, keys = cls.key_map(open_checkpoint(path, "diffusion_pytorch_model"), config, str(path))
+        return load_state(lambda: cls(config, dtype=dtype, attention=attention, rngs=nnx.Rngs(0)), keys,
+                          source=str(path))
+
+    @staticmethod
+    def key_map(checkpoint: Checkpoint, config: Krea2Config | None = None,
+                source: str = "checkpoint") -> tuple[Krea2Config, KeyMap]:
+        """How `checkpoint` (diffusers' key names, or the original release's, optionally prefixed
+        `model.diffusion_model.`) maps onto the module, and its config: `config`, or the sizes read from the tensor
+        shapes (see `from_pretrained`)."""
         original = any(_is_original_key(k) for k in checkpoint.keys())
         rename = original_key_to_diffusers if original else _strip_prefix
         if config is None:
-            config = _config_from_shapes({rename(k): checkpoint.shape(k) for k in checkpoint.keys()}, path)
-        return load_state(
-            lambda: cls(config, dtype=dtype, attention=attention, rngs=nnx.Rngs(0)),
-            checkpoint,
-            rename=rename,
-            convert=_unflatten_modulation,
-            source=str(path),
-        )
+            config = _config_from_shapes({rename(k): checkpoint.shape(k) for k in checkpoint.keys()}, source)
+        return config, KeyMap(checkpoint, rename=rename, convert=_unflatten_modulation)
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -641,7 +645,7 @@ def _unflatten_modulation(key: str, shape: tuple[int, ...]):
     return None
 
 
-def _config_from_shapes(shapes: dict[str, tuple[int, ...]], path: Path) -> Krea2Config:
+def _config_from_shapes(shapes: dict[str, tuple[int, ...]], path: str) -> Krea2Config:
     """Read the sizes of a single-file checkpoint from its tensor shapes."""
 
     def shape(key: str) -> tuple[int, ...]:

@@ -4,6 +4,10 @@ an index) streamed tensor by tensor into a Flax NNX module.
 Every model in `model/` loads through `load_state`: it builds the module abstractly (no memory), reads one tensor at
 a time from the safetensors files, puts it on the device and casts it there, so the host never holds a second copy of
 the whole model. Problems are reported all at once, naming the file and key.
+
+Each model states how a checkpoint's keys become its own in a `KeyMap` (made by the model's `key_map`, which its
+`from_pretrained` uses); `plan_load` checks a `KeyMap` against the module from key names and shapes alone, so a
+`ShapeCheckpoint` (names and shapes, no data) goes through the very checks a real load makes.
 """
 
 from __future__ import annotations
@@ -122,14 +126,45 @@ class SafetensorsCheckpoint:
         return data.view(dtype).reshape(entry["shape"])
 
 
+class ShapeCheckpoint:
+    """A checkpoint's key names and shapes without tensor data (a recorded layout): enough for `plan_load` to check
+    how it maps onto a module, which is all a load does before it reads a tensor."""
+
+    def __init__(self, shapes: Mapping[str, Sequence[int]], name: str = "shapes"):
+        self.files = [Path(name)]
+        self._shapes = {key: tuple(shape) for key, shape in shapes.items()}
+
+    def keys(self) -> list[str]:
+        return list(self._shapes)
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        return self._shapes[key]
+
+    def get(self, key: str) -> np.ndarray:
+        raise CheckpointError(f"{self.files[0]}: {key!r} has a shape but no data")
+
+
+class Checkpoint(typing.Protocol):
+    """What loading reads of a checkpoint: `SafetensorsCheckpoint`, `ShapeCheckpoint` or a view of one."""
+
+    files: list[Path]
+
+    def keys(self) -> list[str]: ...
+
+    def shape(self, key: str) -> tuple[int, ...]: ...
+
+    def get(self, key: str) -> np.ndarray: ...
+
+
 class DerivedCheckpoint:
     """A checkpoint seen through a key map: each derived key reads (a function of) one stored tensor, for layouts
     that fuse several of our tensors into one. Stored keys named in `passthrough` stay visible as they are (so that
     unknown tensors are still reported)."""
 
-    def __init__(self, base: SafetensorsCheckpoint, derived: Mapping[str, tuple], passthrough: Sequence[str] = ()):
+    def __init__(self, base: Checkpoint, derived: Mapping[str, tuple], passthrough: Sequence[str] = ()):
         self.base, self.derived = base, dict(derived)  # key -> (stored key, fn or None, shape)
         self.passthrough = {k: (k, None, base.shape(k)) for k in passthrough}
+        self.files = base.files
 
     def _entry(self, key: str):
         return self.derived.get(key) or self.passthrough[key]
@@ -139,6 +174,10 @@ class DerivedCheckpoint:
 
     def shape(self, key: str) -> tuple[int, ...]:
         return tuple(self._entry(key)[2])
+
+    def stored_key(self, key: str) -> str:
+        """The key of the stored tensor that `key` reads."""
+        return self._entry(key)[0]
 
     def get(self, key: str) -> np.ndarray:
         stored, fn, _ = self._entry(key)
@@ -160,14 +199,14 @@ def unswizzle_e8m0(blocked: np.ndarray, rows: int, cols: int) -> np.ndarray:
     return x.reshape(padded_rows, padded_cols)[:rows, :cols]
 
 
-def _comfy_format(checkpoint, layer: str, scale_key: str) -> str:
+def _comfy_format(checkpoint: Checkpoint, layer: str, scale_key: str) -> str:
     record = layer + ".comfy_quant"
     if record in set(checkpoint.keys()):
         return json.loads(bytes(np.asarray(checkpoint.get(record), np.uint8)).decode())["format"]
     return "float8_e4m3fn"  # the older naming (scale_weight, scaled_fp8 marker) knew only per-tensor FP8
 
 
-def _dequantizer(checkpoint, weight: str, scale_key: str, fmt: str):
+def _dequantizer(checkpoint: Checkpoint, weight: str, scale_key: str, fmt: str):
     if fmt in ("float8_e4m3fn", "float8_e5m2"):
         scale = np.float32(np.asarray(checkpoint.get(scale_key), np.float32).reshape(-1)[0])
         return lambda a: a.astype(np.float32) * scale
@@ -182,7 +221,7 @@ def _dequantizer(checkpoint, weight: str, scale_key: str, fmt: str):
     raise CheckpointError(f"{checkpoint.files[0]}: {weight} is quantized as {fmt!r}, which mxdit cannot read yet")
 
 
-def dequantize_comfy(checkpoint: SafetensorsCheckpoint) -> SafetensorsCheckpoint | DerivedCheckpoint:
+def dequantize_comfy(checkpoint: Checkpoint) -> Checkpoint:
     """ComfyUI's quantized files seen as plain weights, dequantized on read: scaled FP8 (`L.weight` FP8 times the
     per-tensor `L.weight_scale`, or the older `L.scale_weight` with the `scaled_fp8` marker) and MXFP8 (`L.weight`
     E4M3 with E8M0 block scales in cuBLAS's swizzled layout, `L.comfy_quant` = {"format": "mxfp8"}). Scales, format
@@ -204,7 +243,7 @@ def dequantize_comfy(checkpoint: SafetensorsCheckpoint) -> SafetensorsCheckpoint
     return DerivedCheckpoint(checkpoint, derived, passthrough)
 
 
-def open_checkpoint(path: Path, weights_name: str) -> SafetensorsCheckpoint:
+def open_checkpoint(path: Path, weights_name: str) -> Checkpoint:
     """Open `path`: a single `.safetensors` file, or a folder holding `{weights_name}.safetensors` or the shards named
     by `{weights_name}.safetensors.index.json`."""
     path = Path(path)
@@ -232,17 +271,19 @@ def open_checkpoint(path: Path, weights_name: str) -> SafetensorsCheckpoint:
     raise CheckpointError(f"{path}: no weights found (expected {single.name} or {index.name})")
 
 
-def key_problems(expected, found, stored_name: Callable[[str], str] = lambda key: key,
-                 ignore: Callable[[str], bool] = lambda key: False) -> list[str]:
-    """The "missing keys" / "unexpected keys" lines of a load error: module keys `expected` against the module keys
-    `found` in a checkpoint; `stored_name` gives a key's name as the file stores it; `ignore`d keys are not
-    unexpected."""
-    problems = []
-    if missing := sorted(set(expected) - set(found)):
-        problems.append(f"missing keys ({len(missing)}): {_listing(missing)}")
-    if unexpected := sorted(stored_name(k) for k in set(found) - set(expected) if not ignore(k)):
-        problems.append(f"unexpected keys ({len(unexpected)}): {_listing(unexpected)}")
-    return problems
+def key_problems(expected, found) -> list[str]:
+    """The "missing keys" / "unexpected keys" lines of a load error: module keys `expected` against the keys `found`
+    in a checkpoint."""
+    return _key_lines(sorted(set(expected) - set(found)), sorted(set(found) - set(expected)))
+
+
+def _key_lines(missing: Sequence[str], unexpected: Sequence[str]) -> list[str]:
+    lines = []
+    if missing:
+        lines.append(f"missing keys ({len(missing)}): {_listing(missing)}")
+    if unexpected:
+        lines.append(f"unexpected keys ({len(unexpected)}): {_listing(unexpected)}")
+    return lines
 
 
 def _listing(keys: Sequence[str], limit: int = 20) -> str:
@@ -258,6 +299,92 @@ def module_key(path: tuple[Any, ...]) -> str:
 
 
 Convert = Callable[[str, tuple[int, ...]], "tuple[tuple[int, ...], Callable[[np.ndarray], np.ndarray]] | None"]
+
+
+def _same(key: str) -> str:
+    return key
+
+
+def _nothing(key: str) -> bool:
+    return False
+
+
+@dataclasses.dataclass(frozen=True)
+class KeyMap:
+    """How a checkpoint's keys become a module's. `checkpoint` is the checkpoint as the module reads it (a view for
+    layouts that fuse tensors); `rename` maps its key to the module's key; `convert(module key, stored shape)` may
+    return `(new_shape, fn)` for a tensor stored in another layout (a flattened table, a 3-D conv kernel used in 2-D);
+    `ignore(module key)` marks checkpoint tensors the module deliberately does not use."""
+
+    checkpoint: Checkpoint
+    rename: Callable[[str], str] = _same
+    convert: Convert | None = None
+    ignore: Callable[[str], bool] = _nothing
+
+
+@dataclasses.dataclass(frozen=True)
+class LoadPlan:
+    """What loading a checkpoint into a module does, worked out from key names and shapes alone (`plan_load`)."""
+
+    module: str  # the module's class name
+    sources: dict[str, str]  # module key -> checkpoint key it reads
+    conversions: dict[str, Callable[[np.ndarray], np.ndarray] | None]  # module key -> applied to the stored tensor
+    ignored: list[str]  # checkpoint keys the module deliberately does not use
+    missing: list[str]  # module keys no checkpoint key gives
+    unexpected: list[str]  # checkpoint keys neither used nor ignored
+    duplicates: dict[str, str]  # checkpoint key -> the checkpoint key already giving the parameter both map to
+    mismatched: list[str]  # "key: checkpoint has shape ..., model expects ..."
+
+    @property
+    def problems(self) -> list[str]:
+        """The lines of the load error; empty when the checkpoint loads."""
+        lines = _key_lines(self.missing, self.unexpected)
+        if self.duplicates:
+            pairs = [f"{first} and {second}" for second, first in sorted(self.duplicates.items())]
+            lines.append(f"two tensors for one parameter ({len(pairs)}): {_listing(pairs)}")
+        if self.mismatched:
+            lines.append("shape mismatch: " + "; ".join(self.mismatched))
+        return lines
+
+    def raise_problems(self, source: str) -> None:
+        """Raise one `CheckpointError` naming `source` and every problem, if there are any."""
+        if self.problems:
+            raise CheckpointError(f"{source}: cannot load into {self.module}: " + " | ".join(self.problems))
+
+
+def plan_load(abstract: nnx.Module, keys: KeyMap) -> LoadPlan:
+    """Match the parameters of `abstract` (a module from `nnx.eval_shape`, holding shapes only) with the checkpoint
+    keys of `keys`: which stored key each parameter reads and how it is converted, which stored keys are ignored, and
+    every problem (keys missing or unexpected, two stored keys for one parameter, shapes that differ after
+    conversion). Reads no tensor data."""
+    checkpoint = keys.checkpoint
+    expected = {module_key(path): tuple(variable.get_value().shape)
+                for path, variable in nnx.to_flat_state(nnx.state(abstract))}
+    by_module_key: dict[str, str] = {}
+    unexpected, ignored, duplicates = [], [], {}
+    for key in checkpoint.keys():
+        name = keys.rename(key)
+        if name in by_module_key:
+            duplicates[key] = by_module_key[name]
+        elif name in expected:
+            by_module_key[name] = key
+        else:
+            (ignored if keys.ignore(name) else unexpected).append(key)
+    conversions, mismatched = {}, []
+    for name, want in expected.items():
+        if name not in by_module_key:
+            continue
+        stored = checkpoint.shape(by_module_key[name])
+        shape, conversion = stored, None
+        if keys.convert is not None and (converted := keys.convert(name, stored)) is not None:
+            shape, conversion = converted
+        if shape != want:
+            also = f" ({shape} after conversion)" if shape != stored else ""
+            mismatched.append(f"{by_module_key[name]}: checkpoint has shape {stored}{also}, model expects {want}")
+        conversions[name] = conversion
+    return LoadPlan(module=type(abstract).__name__, sources=by_module_key, conversions=conversions,
+                    ignored=sorted(ignored), missing=sorted(set(expected) - set(by_module_key)),
+                    unexpected=sorted(unexpected), duplicates=duplicates, mismatched=mismatched)
 
 
 # Where loaded parameters live: fn(module key, device array) -> the array to keep (another memory, another device).
@@ -289,55 +416,24 @@ def placed(key: str, value):
     return value if place is None else place(key, value)
 
 
-def load_state(
-    build: Callable[[], nnx.Module],
-    checkpoint: SafetensorsCheckpoint,
-    *,
-    rename: Callable[[str], str] = lambda key: key,
-    convert: Convert | None = None,
-    ignore: Callable[[str], bool] = lambda key: False,
-    source: str = "checkpoint",
-) -> nnx.Module:
-    """Build the module returned by `build()` with its parameters read from `checkpoint`.
+def load_state(build: Callable[[], nnx.Module], keys: KeyMap, *, source: str = "checkpoint") -> nnx.Module:
+    """Build the module returned by `build()` with its parameters read from the checkpoint of `keys`, as `keys` maps
+    them (see `KeyMap`; `plan_load` does all the checking, with `source` naming the file in its error).
 
     `build` is only traced (`nnx.eval_shape`), so no parameter memory is allocated before the checkpoint's tensors
-    arrive. `rename` maps a checkpoint key to the module's key (for layouts other than diffusers'). `convert(key,
-    stored_shape)` may return `(new_shape, fn)` for a tensor stored in another layout (a flattened table, a 3-D conv
-    kernel used in 2-D); `ignore(key)` marks checkpoint tensors the module deliberately does not use. Each tensor goes
-    to the device as stored and is cast there to the parameter's dtype (the module declares which stay float32).
+    arrive. Each tensor goes to the device as stored and is cast there to the parameter's dtype (the module declares
+    which stay float32).
     """
     abstract = nnx.eval_shape(build)
+    plan = plan_load(abstract, keys)
+    plan.raise_problems(source)
     graphdef, state = nnx.split(abstract)
     flat = nnx.to_flat_state(state)
-    expected = {module_key(path): variable for path, variable in flat}
-
-    by_module_key: dict[str, str] = {}
-    for key in checkpoint.keys():
-        by_module_key.setdefault(rename(key), key)
-    problems = key_problems(expected, by_module_key, by_module_key.get, ignore)
-    conversions, mismatched = {}, []
-    for name, variable in expected.items():
-        if name not in by_module_key:
-            continue
-        stored = checkpoint.shape(by_module_key[name])
-        shape, conversion = stored, None
-        if convert is not None and (converted := convert(name, stored)) is not None:
-            shape, conversion = converted
-        want = tuple(variable.get_value().shape)
-        if shape != want:
-            also = f" ({shape} after conversion)" if shape != stored else ""
-            mismatched.append(f"{by_module_key[name]}: checkpoint has shape {stored}{also}, model expects {want}")
-        conversions[name] = conversion
-    if mismatched:
-        problems.append("shape mismatch: " + "; ".join(mismatched))
-    if problems:
-        raise CheckpointError(f"{source}: cannot load into {type(abstract).__name__}: " + " | ".join(problems))
-
     for path, variable in flat:
         name = module_key(path)
-        array = checkpoint.get(by_module_key[name])
-        if conversions[name] is not None:
-            array = np.ascontiguousarray(conversions[name](array))
+        array = keys.checkpoint.get(plan.sources[name])
+        if plan.conversions[name] is not None:
+            array = np.ascontiguousarray(plan.conversions[name](array))
         value = jax.device_put(array, may_alias=False)
         want = variable.get_value()
         if value.dtype != want.dtype:

@@ -20,7 +20,7 @@ import numpy as np
 from flax import nnx
 
 from .layers import Linear
-from .loading import CheckpointError, config_from_dict, load_state, open_checkpoint, read_json
+from .loading import Checkpoint, CheckpointError, KeyMap, config_from_dict, load_state, open_checkpoint, read_json
 
 
 @dataclasses.dataclass(frozen=True)
@@ -182,16 +182,18 @@ class Qwen3VLTextEncoder(nnx.Module):
             config = Qwen3VLTextConfig.from_json(config)
         if path.is_dir() and config is None:
             config = Qwen3VLTextConfig.from_json(path / "config.json")
-        checkpoint = open_checkpoint(path, "model")
+        config, keys = cls.key_map(open_checkpoint(path, "model"), config, str(path))
+        return load_state(lambda: cls(config, dtype=dtype, rngs=nnx.Rngs(0)), keys, source=str(path))
+
+    @staticmethod
+    def key_map(checkpoint: Checkpoint, config: Qwen3VLTextConfig | None = None,
+                source: str = "checkpoint") -> tuple[Qwen3VLTextConfig, KeyMap]:
+        """How `checkpoint` maps onto the module (vision tower and LM head ignored), and its config: `config`, or
+        Qwen3-VL-4B's with the sizes read from the weights."""
         if config is None:
-            config = _config_from_shapes(checkpoint, path)
-        return load_state(
-            lambda: cls(config, dtype=dtype, rngs=nnx.Rngs(0)),
-            checkpoint,
-            rename=_language_model_key,
-            ignore=lambda key: key.startswith(("visual.", "lm_head.")),
-            source=str(path),
-        )
+            config = _config_from_shapes(checkpoint, source)
+        return config, KeyMap(checkpoint, rename=_language_model_key,
+                              ignore=lambda key: key.startswith(("visual.", "lm_head.")))
 
 
 def _language_model_key(key: str) -> str:
@@ -201,7 +203,7 @@ def _language_model_key(key: str) -> str:
     return key
 
 
-def _config_from_shapes(checkpoint, path: Path) -> Qwen3VLTextConfig:
+def _config_from_shapes(checkpoint: Checkpoint, path: str) -> Qwen3VLTextConfig:
     shapes = {_language_model_key(k): checkpoint.shape(k) for k in checkpoint.keys()}
     if "embed_tokens.weight" not in shapes:
         raise CheckpointError(f"{path}: not a Qwen3 text model checkpoint (no embed_tokens.weight)")

@@ -14,7 +14,7 @@ import numpy as np
 from flax import nnx
 
 from .layers import Linear
-from .loading import CheckpointError, config_from_dict, load_state, open_checkpoint, read_json
+from .loading import Checkpoint, CheckpointError, KeyMap, config_from_dict, load_state, open_checkpoint, read_json
 
 
 @dataclasses.dataclass(frozen=True)
@@ -175,15 +175,19 @@ class T5Encoder(nnx.Module):
             config = T5Config.from_json(config)
         if path.is_dir() and config is None:
             config = T5Config.from_json(path / "config.json")
-        checkpoint = open_checkpoint(path, "model")
-        keys = set(checkpoint.keys())
-        if "shared.weight" not in keys and "encoder.embed_tokens.weight" not in keys:
-            raise CheckpointError(f"{path}: not a T5 encoder checkpoint (no shared.weight)")
-        tied = "shared.weight" in keys
-        return load_state(
-            lambda: cls(config or T5Config(), dtype=dtype, rngs=nnx.Rngs(0)),
+        config, keys = cls.key_map(open_checkpoint(path, "model"), config, str(path))
+        return load_state(lambda: cls(config, dtype=dtype, rngs=nnx.Rngs(0)), keys, source=str(path))
+
+    @staticmethod
+    def key_map(checkpoint: Checkpoint, config: T5Config | None = None,
+                source: str = "checkpoint") -> tuple[T5Config, KeyMap]:
+        """How `checkpoint` maps onto the module (decoder and LM head ignored), and its config: `config` or
+        T5 v1.1 XXL's."""
+        stored = set(checkpoint.keys())
+        if "shared.weight" not in stored and "encoder.embed_tokens.weight" not in stored:
+            raise CheckpointError(f"{source}: not a T5 encoder checkpoint (no shared.weight)")
+        tied = "shared.weight" in stored
+        return config or T5Config(), KeyMap(
             checkpoint,
             rename=lambda k: "shared.weight" if (k == "encoder.embed_tokens.weight" and not tied) else k,
-            ignore=lambda k: k in ("encoder.embed_tokens.weight", "lm_head.weight") or k.startswith("decoder."),
-            source=str(path),
-        )
+            ignore=lambda k: k in ("encoder.embed_tokens.weight", "lm_head.weight") or k.startswith("decoder."))

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from .layers import Conv2d, Linear, upsample_nearest_2x
-from .loading import CheckpointError, config_from_dict, load_state, open_checkpoint, read_json
+from .loading import Checkpoint, CheckpointError, KeyMap, config_from_dict, load_state, open_checkpoint, read_json
 from .vae_common import Tiling, check_images, check_latents, tiled_apply
 
 
@@ -290,18 +290,20 @@ class FluxVAE(nnx.Module):
             config = FluxVAEConfig.from_json(config)
         if path.is_dir() and config is None:
             config = FluxVAEConfig.from_json(path / "config.json")
-        checkpoint = open_checkpoint(path, "diffusion_pytorch_model")
+        config, keys = cls.key_map(open_checkpoint(path, "diffusion_pytorch_model"), config, str(path))
+        return load_state(lambda: cls(config, dtype=dtype, rngs=nnx.Rngs(0)), keys, source=str(path))
+
+    @staticmethod
+    def key_map(checkpoint: Checkpoint, config: FluxVAEConfig | None = None,
+                source: str = "checkpoint") -> tuple[FluxVAEConfig, KeyMap]:
+        """How `checkpoint` (diffusers' key names or `ae.safetensors`' LDM ones) maps onto the module, and its config:
+        `config`, or FLUX.1's with the channel counts read from the weights."""
         original = any(k.startswith(("encoder.down.", "decoder.up.")) for k in checkpoint.keys())
         if config is None:
-            config = _config_from_shapes(checkpoint, original, path)
+            config = _config_from_shapes(checkpoint, original, source)
         n = len(config.block_out_channels)
-        return load_state(
-            lambda: cls(config, dtype=dtype, rngs=nnx.Rngs(0)),
-            checkpoint,
-            rename=(lambda k: original_key_to_diffusers(k, n)) if original else (lambda k: k),
-            convert=_attention_conv_to_linear,
-            source=str(path),
-        )
+        rename = (lambda k: original_key_to_diffusers(k, n)) if original else (lambda k: k)
+        return config, KeyMap(checkpoint, rename=rename, convert=_attention_conv_to_linear)
 
 
 @jax.jit  # the module as a pytree: less host time a call than nnx.jit's graph traversal
@@ -350,7 +352,7 @@ def original_key_to_diffusers(key: str, num_blocks: int = 4) -> str:
     return key
 
 
-def _config_from_shapes(checkpoint, original: bool, path: Path) -> FluxVAEConfig:
+def _config_from_shapes(checkpoint: Checkpoint, original: bool, path: str) -> FluxVAEConfig:
     """FLUX.1's configuration with channel counts and depth read from the weights."""
     keys = {original_key_to_diffusers(k) if original else k: k for k in checkpoint.keys()}
     if "encoder.conv_in.weight" not in keys:

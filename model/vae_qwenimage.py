@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from .layers import Conv2d, upsample_nearest_2x
-from .loading import CheckpointError, config_from_dict, load_state, open_checkpoint, read_json
+from .loading import Checkpoint, CheckpointError, KeyMap, config_from_dict, load_state, open_checkpoint, read_json
 from .vae_common import Tiling, check_images, check_latents, tiled_apply
 
 # fmt: off
@@ -276,24 +276,26 @@ class QwenImageVAE(nnx.Module):
             config = QwenImageVAEConfig.from_json(config)
         if path.is_dir() and config is None:
             config = QwenImageVAEConfig.from_json(path / "config.json")
-        checkpoint = open_checkpoint(path, "diffusion_pytorch_model")
+        config, keys = cls.key_map(open_checkpoint(path, "diffusion_pytorch_model"), config, str(path))
+        return load_state(lambda: cls(config, dtype=dtype, rngs=nnx.Rngs(0)), keys, source=str(path))
+
+    @staticmethod
+    def key_map(checkpoint: Checkpoint, config: QwenImageVAEConfig | None = None,
+                source: str = "checkpoint") -> tuple[QwenImageVAEConfig, KeyMap]:
+        """How `checkpoint` (diffusers' key names or Wan 2.1's) maps onto the module (the temporal convolutions
+        ignored), and its config: `config`, or the released structure with `base_dim` and `z_dim` read from the
+        weights."""
         original = any(k.startswith(("encoder.downsamples.", "decoder.upsamples.")) for k in checkpoint.keys())
         if config is None:
+            stored = set(checkpoint.keys())
             in_key = "encoder.conv1.weight" if original else "encoder.conv_in.weight"
             post_key = "conv2.weight" if original else "post_quant_conv.weight"
-            if in_key not in checkpoint.keys() or post_key not in checkpoint.keys():
-                raise CheckpointError(f"{path}: not a Qwen-Image / Wan 2.1 VAE checkpoint (no {in_key!r})")
+            if in_key not in stored or post_key not in stored:
+                raise CheckpointError(f"{source}: not a Qwen-Image / Wan 2.1 VAE checkpoint (no {in_key!r})")
             config = QwenImageVAEConfig(base_dim=checkpoint.shape(in_key)[0], z_dim=checkpoint.shape(post_key)[0])
         per_block = config.num_res_blocks + 2
         rename = (lambda k: _diffusers_name(original_key_to_diffusers(k, per_block))) if original else _diffusers_name
-        return load_state(
-            lambda: cls(config, dtype=dtype, rngs=nnx.Rngs(0)),
-            checkpoint,
-            rename=rename,
-            convert=_to_2d,
-            ignore=lambda key: ".time_conv." in key,
-            source=str(path),
-        )
+        return config, KeyMap(checkpoint, rename=rename, convert=_to_2d, ignore=lambda key: ".time_conv." in key)
 
 
 @jax.jit  # the module as a pytree: less host time a call than nnx.jit's graph traversal

@@ -2,7 +2,8 @@
 
 This is the only place that needs PyTorch: it builds tiny random models in the real checkpoint layouts (key names,
 shapes, config.json), runs the diffusers implementation on fixed inputs and saves inputs and outputs as .npz, so that
-the test suite compares against diffusers without importing it.
+the test suite compares against diffusers without importing it. It also records the key names and shapes of the
+full-size released checkpoints, built on the meta device (`--only key_coverage`, see `write_key_coverage`).
 
     python3.11 -m venv /tmp/torch && /tmp/torch/bin/pip install torch==2.13.0 diffusers==0.42.1 transformers
     /tmp/torch/bin/python scripts/make_fixtures.py            # rewrites tests/fixtures/
@@ -552,6 +553,8 @@ def flux_diffusers_to_original(state: dict) -> dict:
     out = {}
     take = state.pop
     for src, dst in (("time_in", "timestep_embedder"), ("vector_in", "text_embedder"), ("guidance_in", "guidance_embedder")):
+        if f"time_text_embed.{dst}.linear_1.weight" not in state:
+            continue  # schnell has no guidance embedding
         for p in ("weight", "bias"):
             out[f"{src}.in_layer.{p}"] = take(f"time_text_embed.{dst}.linear_1.{p}")
             out[f"{src}.out_layer.{p}"] = take(f"time_text_embed.{dst}.linear_2.{p}")
@@ -826,6 +829,173 @@ def write_flux_lora(out: Path) -> None:
           f"{np.linalg.norm(arrays['output_kohya'] - arrays['output_base']) / base:.3f})")
 
 
+# --------------------------------------------------------------------------------------------------------------------
+# Full-size key coverage: the key names and shapes of the released checkpoints, from diffusers / transformers built
+# at the released configs on the meta device (no weights), and the original single-file layouts derived with the
+# inverse maps above and checked against diffusers' own converters. tests/test_key_coverage.py maps every one onto our
+# modules. Where a value is not given below, the library default is the released model's.
+
+# Krea2Transformer2DModel's defaults are Krea-2-Turbo's transformer/config.json: the same values as invoke-ai/InvokeAI's
+# invokeai/backend/model_manager/load/model_loaders/krea2.py (KREA2_TRANSFORMER_CONFIG, copied from that file) and
+# the SingleStreamDiT defaults of comfyanonymous/ComfyUI's comfy/ldm/krea2/model.py.
+KREA2_RELEASED: dict = {}
+# FluxTransformer2DModel's defaults are FLUX.1's sizes; black-forest-labs/flux src/flux/util.py (`configs`) sets
+# guidance_embed=True for flux-dev and False for flux-schnell.
+FLUX_DEV_RELEASED = dict(guidance_embeds=True)
+FLUX_SCHNELL_RELEASED = dict(guidance_embeds=False)
+# FLUX.1's vae/config.json: black-forest-labs/flux src/flux/util.py `ae_params` (ch=128, ch_mult=[1, 2, 4, 4],
+# num_res_blocks=2, z_channels=16, scale_factor=0.3611, shift_factor=0.1159; its AutoEncoder has no quant convs).
+FLUX_VAE_RELEASED = dict(
+    block_out_channels=[128, 256, 512, 512], down_block_types=["DownEncoderBlock2D"] * 4,
+    up_block_types=["UpDecoderBlock2D"] * 4, layers_per_block=2, latent_channels=16, sample_size=1024,
+    scaling_factor=0.3611, shift_factor=0.1159, use_quant_conv=False, use_post_quant_conv=False,
+)
+# AutoencoderKLQwenImage's defaults are Qwen-Image's vae/config.json (the VAE Krea 2 ships).
+QWENIMAGE_VAE_RELEASED: dict = {}
+# Qwen/Qwen3-VL-4B-Instruct's config.json (Krea 2's text_encoder/ is its Qwen3VLModel), as modelscope/DiffSynth-Studio's
+# diffsynth/models/krea2_text_encoder.py vendors it; transformers' Qwen3VLConfig defaults are another size.
+QWEN3VL_4B_TEXT = dict(
+    vocab_size=151936, hidden_size=2560, intermediate_size=9728, num_hidden_layers=36, num_attention_heads=32,
+    num_key_value_heads=8, head_dim=128, hidden_act="silu", rms_norm_eps=1e-6, max_position_embeddings=262144,
+    attention_bias=False, tie_word_embeddings=True,
+    rope_parameters={"rope_type": "default", "rope_theta": 5000000, "mrope_section": [24, 20, 20],
+                     "mrope_interleaved": True},
+)
+QWEN3VL_4B_VISION = dict(
+    depth=24, hidden_size=1024, intermediate_size=4096, num_heads=16, out_hidden_size=2560, patch_size=16,
+    spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=2304, deepstack_visual_indexes=[5, 11, 17],
+    hidden_act="gelu_pytorch_tanh", in_channels=3,
+)
+# google/t5-v1_1-xxl's config.json, as comfyanonymous/ComfyUI's comfy/t5_config_xxl.json vendors it (its gated GELU
+# is transformers' feed_forward_proj="gated-gelu").
+T5_XXL = dict(vocab_size=32128, d_model=4096, d_kv=64, d_ff=10240, num_layers=24, num_heads=64,
+              relative_attention_num_buckets=32, layer_norm_epsilon=1e-6, feed_forward_proj="gated-gelu",
+              tie_word_embeddings=False)
+# openai/clip-vit-large-patch14's text config, as comfyanonymous/ComfyUI's comfy/sd1_clip_config.json vendors it, with
+# the released eos_token_id 2 (ComfyUI's copy has 49407; transformers' modeling_clip.py keeps a rule for the 2 of the
+# configs from before its PR #24773, which FLUX's text_encoder/ is).
+CLIP_L_TEXT = dict(vocab_size=49408, hidden_size=768, intermediate_size=3072, projection_dim=768, num_hidden_layers=12,
+                   num_attention_heads=12, max_position_embeddings=77, hidden_act="quick_gelu", layer_norm_eps=1e-5,
+                   bos_token_id=0, eos_token_id=2, pad_token_id=1)
+
+
+def _shapes(state: dict) -> dict[str, list[int]]:
+    return {k: list(v.shape) for k, v in sorted(state.items())}
+
+
+def _saved_state(model) -> dict:
+    """A transformers model's state dict as `save_pretrained` writes it: tied duplicates removed, names as saved."""
+    from transformers.core_model_loading import revert_weight_conversion
+    from transformers.modeling_utils import remove_tied_weights_from_state_dict
+
+    return revert_weight_conversion(model, remove_tied_weights_from_state_dict(model.state_dict(), model))
+
+
+def _check_converter(state: dict, original: dict, convert_back) -> None:
+    """diffusers' own single-file converter maps the `original` layout back to exactly `state`'s keys and shapes."""
+    back = convert_back(dict(original))
+    assert set(back) == set(state), sorted(set(back) ^ set(state))[:10]
+    wrong = [k for k in state if tuple(back[k].shape) != tuple(state[k].shape)]
+    assert not wrong, wrong[:10]
+
+
+def _diffusers_config(model) -> dict:
+    return json.loads(model.to_json_string())
+
+
+def write_key_coverage(out: Path) -> None:
+    """{component: {"config": the released config.json as the library writes it, "layouts": {layout: {key: shape}}}}
+    for every full-size component, into out/key_coverage.json."""
+    from diffusers import AutoencoderKL, AutoencoderKLQwenImage, FluxTransformer2DModel, Krea2Transformer2DModel
+    from diffusers.loaders.single_file_utils import (convert_flux_transformer_checkpoint_to_diffusers,
+                                                     convert_krea2_transformer_checkpoint_to_diffusers,
+                                                     convert_ldm_vae_checkpoint, convert_wan_vae_to_diffusers)
+    from transformers import (CLIPTextConfig, CLIPTextModel, Qwen3VLConfig, Qwen3VLForConditionalGeneration,
+                              Qwen3VLModel, T5Config, T5EncoderModel)
+
+    coverage = {}
+    with torch.device("meta"):
+        krea2 = Krea2Transformer2DModel(**KREA2_RELEASED)
+        state = krea2.state_dict()
+        # The original release names, without ComfyUI's optional `model.diffusion_model.` prefix.
+        original = {krea2_diffusers_to_original_key(k): v.reshape(-1) if k.startswith("transformer_blocks.")
+                    and k.endswith(".scale_shift_table") else v for k, v in state.items()}
+        _check_converter(state, original, convert_krea2_transformer_checkpoint_to_diffusers)
+        coverage["krea2_transformer"] = dict(config=_diffusers_config(krea2),
+                                             layouts=dict(diffusers=_shapes(state), original=_shapes(original)))
+
+        for name, released in (("flux1_dev_transformer", FLUX_DEV_RELEASED),
+                               ("flux1_schnell_transformer", FLUX_SCHNELL_RELEASED)):
+            flux = FluxTransformer2DModel(**released)
+            state = flux.state_dict()
+            original = {k.removeprefix("model.diffusion_model."): v
+                        for k, v in flux_diffusers_to_original(dict(state)).items()}  # flux1-dev.safetensors' names
+            _check_converter(state, original, convert_flux_transformer_checkpoint_to_diffusers)
+            coverage[name] = dict(config=_diffusers_config(flux),
+                                  layouts=dict(diffusers=_shapes(state), original=_shapes(original)))
+
+        flux_vae = AutoencoderKL(**FLUX_VAE_RELEASED)
+        state = flux_vae.state_dict()
+        original = {flux_vae_diffusers_to_original_key(k): v[:, :, None, None] if ".attentions." in k and v.ndim == 2
+                    else v for k, v in state.items()}  # ae.safetensors: the attention projections are 1x1 convs
+        config = _diffusers_config(flux_vae)
+        _check_converter(state, original, lambda c: convert_ldm_vae_checkpoint(c, config))
+        coverage["flux_vae"] = dict(config=config, layouts=dict(diffusers=_shapes(state), original=_shapes(original)))
+
+        qwen_vae = AutoencoderKLQwenImage(**QWENIMAGE_VAE_RELEASED)
+        state = qwen_vae.state_dict()
+        original = {qwenimage_vae_diffusers_to_original_key(k, qwen_vae.config.num_res_blocks): v
+                    for k, v in state.items()}  # ComfyUI's qwen_image_vae.safetensors: Wan 2.1's names
+        _check_converter(state, original, convert_wan_vae_to_diffusers)
+        coverage["qwenimage_vae"] = dict(config=_diffusers_config(qwen_vae),
+                                         layouts=dict(diffusers=_shapes(state), original=_shapes(original)))
+
+        # Krea 2's text_encoder/ holds a Qwen3VLModel (vision tower included, no LM head); Qwen's own release is a
+        # Qwen3VLForConditionalGeneration whose LM head is tied to the embedding, so not stored.
+        qwen3vl_config = Qwen3VLConfig(text_config=QWEN3VL_4B_TEXT, vision_config=QWEN3VL_4B_VISION,
+                                       tie_word_embeddings=True)
+        krea2_text = _saved_state(Qwen3VLModel(qwen3vl_config))
+        qwen_release = _saved_state(Qwen3VLForConditionalGeneration(qwen3vl_config))
+        coverage["qwen3vl_text_encoder"] = dict(
+            config=qwen3vl_config.to_dict(),
+            layouts=dict(krea2_text_encoder=_shapes(krea2_text), qwen3vl_4b_instruct=_shapes(qwen_release)))
+
+        t5_config = T5Config(**T5_XXL)
+        coverage["t5_xxl_encoder"] = dict(config=t5_config.to_dict(),
+                                          layouts=dict(transformers=_shapes(_saved_state(T5EncoderModel(t5_config)))))
+
+        # transformers 5 saves CLIPTextModel without the `text_model.` prefix that FLUX's text_encoder/ (saved by
+        # transformers 4) has.
+        clip_config = CLIPTextConfig(**CLIP_L_TEXT)
+        clip = _saved_state(CLIPTextModel(clip_config))
+        coverage["clip_l_text"] = dict(config=clip_config.to_dict(), layouts=dict(
+            flux1=_shapes({"text_model." + k: v for k, v in clip.items()}), transformers=_shapes(clip)))
+
+    path = out / "key_coverage.json"
+    path.write_text(_key_coverage_json(coverage))
+    counts = ", ".join(f"{c}/{layout} {len(keys)}" for c, entry in coverage.items()
+                       for layout, keys in entry["layouts"].items())
+    print(f"wrote {path} ({path.stat().st_size // 1024} KiB): {counts}")
+
+
+def _key_coverage_json(coverage: dict) -> str:
+    """Indented JSON with one checkpoint key and its shape a line, so that a change of layout reads as a small diff."""
+    lines = ["{"]
+    for i, (component, entry) in enumerate(coverage.items()):
+        lines.append(f'  "{component}": {{')
+        lines.append(f'    "config": {json.dumps(entry["config"], sort_keys=True)},')
+        lines.append('    "layouts": {')
+        for j, (layout, keys) in enumerate(entry["layouts"].items()):
+            lines.append(f'      "{layout}": {{')
+            rows = [f"        {json.dumps(k)}: {json.dumps(shape)}" for k, shape in keys.items()]
+            lines.append(",\n".join(rows))
+            lines.append("      }" + ("," if j < len(entry["layouts"]) - 1 else ""))
+        lines.append("    }")
+        lines.append("  }" + ("," if i < len(coverage) - 1 else ""))
+    lines.append("}")
+    return "\n".join(lines) + "\n"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=FIXTURES)
@@ -850,6 +1020,7 @@ GROUPS = {
     "lora": (write_lora, "krea2"),
     "lora_export": (write_lora_export, "krea2"),
     "flux_lora": (write_flux_lora, "flux"),
+    "key_coverage": (write_key_coverage, "."),
 }
 
 
