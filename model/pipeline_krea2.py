@@ -41,6 +41,17 @@ KREA2_TEXT_LAYERS = (2, 5, 8, 11, 14, 17, 20, 23, 26, 29, 32, 35)  # Qwen3-VL-4B
 COMPONENTS = ("transformer", "vae", "text_encoder", "tokenizer")
 
 
+def template_tokens(tokenizer: TextTokenizer, prompts: Sequence[str],
+                    max_sequence_length: int = 512) -> tuple[np.ndarray, np.ndarray]:
+    """Ids and mask of the templated prompts, (batch, PREFIX_TOKENS + max_sequence_length) int32 / bool, as
+    diffusers' `Krea2Pipeline.get_text_hidden_states` makes them: system prefix + prompt truncated and padded to
+    max_sequence_length + PREFIX_TOKENS - SUFFIX_TOKENS, then the assistant suffix."""
+    ids, mask = tokenizer([PROMPT_PREFIX + p for p in prompts],
+                          max_length=max_sequence_length + PREFIX_TOKENS - SUFFIX_TOKENS)
+    suffix_ids, suffix_mask = tokenizer([PROMPT_SUFFIX] * len(prompts))
+    return np.concatenate([ids, suffix_ids], 1), np.concatenate([mask, suffix_mask], 1)
+
+
 @dataclasses.dataclass(frozen=True)
 class Krea2PipelineConfig:
     """What model_index.json and scheduler/scheduler_config.json say about sampling."""
@@ -107,10 +118,7 @@ class Krea2Pipeline:
     def encode_prompt(self, prompts: Sequence[str], max_sequence_length: int = 512) -> tuple[jax.Array, jax.Array]:
         """Tapped text-encoder states and mask for `prompts`: ((batch, L, num_text_layers, text_dim), (batch, L) bool)
         with L = max_sequence_length, exactly as diffusers' `Krea2Pipeline.get_text_hidden_states`."""
-        ids, mask = self.tokenizer([PROMPT_PREFIX + p for p in prompts],
-                                   max_length=max_sequence_length + PREFIX_TOKENS - SUFFIX_TOKENS)
-        suffix_ids, suffix_mask = self.tokenizer([PROMPT_SUFFIX] * len(prompts))
-        ids, mask = np.concatenate([ids, suffix_ids], 1), np.concatenate([mask, suffix_mask], 1)
+        ids, mask = template_tokens(self.tokenizer, prompts, max_sequence_length)
         # Positions count only real tokens, so the suffix after the padding sits right after the prompt.
         positions = np.maximum(np.cumsum(mask, axis=1) - 1, 0)
         states = _encode_text(self.text_encoder, jnp.asarray(ids), jnp.asarray(mask), jnp.asarray(positions),
