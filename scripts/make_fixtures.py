@@ -994,6 +994,133 @@ def _key_coverage_json(coverage: dict) -> str:
         lines.append("  }" + ("," if i < len(coverage) - 1 else ""))
     lines.append("}")
     return "\n".join(lines) + "\n"
+# The tokenizer parity prompts: what users type, and what breaks tokenizers (case, accents composed or not, emoji,
+# CJK and right-to-left scripts, digits, contractions, odd whitespace, the special tokens' own text, the empty string,
+# prompts past CLIP's 77 tokens and past T5's and Qwen's 512).
+TOKENIZER_LONG_PROMPT = (
+    "A sprawling fantasy city at dusk, seen from a hillside covered in wild lavender: copper domes and slender "
+    "white towers, lanterns being lit along winding stone bridges, airships with patched canvas sails drifting "
+    "between the spires, a crowded market street with striped awnings, merchants selling spices, glass bottles "
+    "and woven carpets, children chasing a kite shaped like a dragon, a calm river reflecting the violet sky, "
+    "distant snow-capped mountains, soft volumetric light, highly detailed matte painting, wide angle, 35mm film "
+    "grain, muted teal and orange palette, trending on an art site"
+)
+TOKENIZER_VERY_LONG_PROMPT = " ".join(
+    f"Panel {i}: a {color} {animal} wearing a {item} sits beside {i * 7 % 13} lanterns under a {sky} sky."
+    for i, (color, animal, item, sky) in enumerate(
+        zip(["red", "teal", "golden", "violet", "pale-green", "charcoal"] * 12,
+            ["fox", "heron", "tortoise", "lynx", "octopus", "sparrow", "badger"] * 11,
+            ["scarf", "tiny crown", "raincoat", "monocle", "backpack"] * 15,
+            ["stormy", "cloudless", "star-filled", "hazy", "pink"] * 15)))
+TOKENIZER_PROMPTS = [
+    "a photo of a cat",
+    "A Red Fox in the SNOW, photographed at DUSK.",
+    "ALL CAPS PROMPT WITH SHOUTING AND NO PUNCTUATION",
+    TOKENIZER_LONG_PROMPT,
+    TOKENIZER_VERY_LONG_PROMPT,
+    "café crème brûlée on a naïve façade, Ångström, Zoë, São Paulo, Kraków, Ærø",
+    "cafe\u0301 and n\u0303 in decomposed form, A\u030angstro\u0308m",
+    "a 🦊 and a 🐱 under the 🌙✨, a family 👩‍👩‍👧‍👦, flags 🇯🇵🇧🇷, skin tones 👍🏽",
+    "一只在雪地里的红狐狸，摄影作品，高清",
+    "富士山の夕焼け、水彩画。カタカナとひらがな",
+    "서울의 밤거리, 네온 사인",
+    "قطة تجلس على نافذة في المساء",
+    "Красная лиса в снегу, масляная живопись",
+    "बर्फ में लाल लोमड़ी, and Greek: αλεπού στο χιόνι",
+    "Tokyo 東京 Москва موسكو mixed in one line",
+    "3 cats, 12 dogs, 1,024 birds, 3.14159 pies, 2024-05-17, 10:30pm, 50% off, #1, 1st 2nd 3rd",
+    "it's the dog's bone; we'll see, they're here, I'd've gone, don't, won't, Y'ALL'RE",
+    "curly apostrophes: it’s the fox’s den, “quoted” and «guillemets» and „German“",
+    "  leading and trailing spaces  ",
+    "tabs\tbetween\twords and\t\tdouble tabs",
+    "new\nlines\n\nand a CRLF\r\nbreak",
+    "multiple     spaces    inside",
+    "non-breaking\u00a0space, em\u2003space, zero\u200bwidth, ideographic\u3000space",
+    "a cat <|endoftext|> a dog",
+    "<|startoftext|>starts with the start token and ends with the end token<|endoftext|>",
+    "upper-case specials <|ENDOFTEXT|> and <|StartOfText|>",
+    "text with </s> inside, a <pad> and an <unk> and a sentinel <extra_id_0> <extra_id_99>",
+    "<|im_start|>user\nhello there<|im_end|>\n<|im_start|>assistant\n",
+    "vision tokens <|vision_start|><|image_pad|><|vision_end|> and <tool_call>call</tool_call>",
+    "!!!??? ... --- (((nested))) [brackets] {braces} @#$%^&* ~`|\\/ <> ;:",
+    "https://example.com/a_b?c=d&e=f#frag and snake_case, camelCase, kebab-case, file.name.png",
+    "E = mc² ∑ ∫ √2 ≈ 1.414, 90° angle, € £ ¥ ₹ prices, ½ ¼ ¾",
+    "ＦＵＬＬＷＩＤＴＨ ｌｅｔｔｅｒｓ １２３ and ﬁ ligature",
+    "**bold** _italic_ `code` and a - b – c — d",
+    "aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa",
+    "a",
+    "   ",
+    "\n",
+    "",
+]
+
+
+def write_tokenizers(out: Path) -> None:
+    """transformers' ids and attention masks for the real tokenizers in ../shared/tokenizers/, called as the diffusers
+    pipelines call them: FLUX.1's CLIPTokenizer (77, padded to max_length, truncated; also from vocab.json +
+    merges.txt alone) and T5TokenizerFast (512 for dev, 256 for schnell; checked equal when converted from
+    spiece.model alone), and Krea 2's AutoTokenizer (Qwen2Tokenizer) on the template-wrapped prompt, padded to
+    512 + 34 - 5 with the 5 suffix tokens tokenized on their own."""
+    import tempfile
+    import types
+
+    from diffusers import Krea2Pipeline
+    from transformers import AutoTokenizer, CLIPTokenizer, T5TokenizerFast
+
+    shared = Path(__file__).resolve().parents[2] / "shared" / "tokenizers"
+    out.mkdir(parents=True, exist_ok=True)
+    arrays = {}
+
+    def record(name, encoded):
+        arrays[f"{name}_ids"] = encoded.input_ids.numpy().astype(np.int32)
+        arrays[f"{name}_mask"] = encoded.attention_mask.numpy().astype(bool)
+
+    clip = CLIPTokenizer.from_pretrained(shared / "clip")
+    assert clip.model_max_length == 77
+    record("clip", clip(TOKENIZER_PROMPTS, padding="max_length", max_length=clip.model_max_length, truncation=True,
+                        return_tensors="pt"))
+    with tempfile.TemporaryDirectory() as files_only:  # vocab.json + merges.txt without the configs: class defaults
+        for name in ("vocab.json", "merges.txt"):
+            shutil.copy(shared / "clip" / name, files_only)
+        record("clip_without_configs", CLIPTokenizer.from_pretrained(files_only)(
+            TOKENIZER_PROMPTS, padding="max_length", max_length=77, truncation=True, return_tensors="pt"))
+
+    t5 = T5TokenizerFast.from_pretrained(shared / "t5")
+    with tempfile.TemporaryDirectory() as spm_only:  # the same tokenizer converted from spiece.model alone
+        for name in ("spiece.model", "tokenizer_config.json", "special_tokens_map.json"):
+            shutil.copy(shared / "t5" / name, spm_only)
+        t5_spm = T5TokenizerFast.from_pretrained(spm_only)
+        for length in (512, 256):
+            kwargs = dict(padding="max_length", max_length=length, truncation=True, return_tensors="pt")
+            record(f"t5_{length}", t5(TOKENIZER_PROMPTS, **kwargs))
+            assert np.array_equal(t5_spm(TOKENIZER_PROMPTS, **kwargs).input_ids.numpy(), arrays[f"t5_{length}_ids"])
+
+    qwen = AutoTokenizer.from_pretrained(shared / "qwen3")
+    print(f"tokenizer classes: {type(clip).__name__}, {type(t5).__name__}, {type(qwen).__name__}")
+    # Krea 2: the ids diffusers' pipeline gives its text encoder (prompt block padded to 512 + 34 - 5, then the 5
+    # suffix tokens), caught by a stand-in text encoder so that no model is built.
+    seen = {}
+
+    def text_encoder(input_ids, attention_mask, **kwargs):
+        seen.update(input_ids=input_ids, attention_mask=attention_mask)
+        return types.SimpleNamespace(hidden_states=[torch.zeros(*input_ids.shape, 1)])
+
+    pipe = Krea2Pipeline(scheduler=None, vae=None, text_encoder=None, tokenizer=qwen, transformer=None,
+                         text_encoder_select_layers=(0,))
+    object.__setattr__(pipe, "text_encoder", text_encoder)
+    pipe.get_text_hidden_states(TOKENIZER_PROMPTS, max_sequence_length=512, device="cpu")
+    arrays.update(krea2_ids=seen["input_ids"].numpy().astype(np.int32),
+                  krea2_mask=seen["attention_mask"].numpy().astype(bool))
+    prefix, suffix = pipe.prompt_template_encode_prefix, pipe.prompt_template_encode_suffix
+    arrays.update(qwen_prefix_ids=np.array(qwen(prefix).input_ids, np.int32),
+                  qwen_suffix_ids=np.array(qwen(suffix).input_ids, np.int32))
+    assert len(arrays["qwen_prefix_ids"]) == pipe.prompt_template_encode_start_idx == 34
+    assert len(arrays["qwen_suffix_ids"]) == pipe.prompt_template_encode_num_suffix_tokens == 5
+    np.savez_compressed(out / "reference.npz", **arrays)
+    (out / "prompts.json").write_text(json.dumps(TOKENIZER_PROMPTS, ensure_ascii=False, indent=1) + "\n")
+    untruncated = {name: max(len(ids) for ids in tok(TOKENIZER_PROMPTS).input_ids)
+                   for name, tok in (("clip", clip), ("t5", t5), ("qwen", qwen))}
+    print(f"wrote tokenizer fixtures to {out} ({len(TOKENIZER_PROMPTS)} prompts; longest untruncated: {untruncated})")
 
 
 def main() -> None:
@@ -1021,6 +1148,7 @@ GROUPS = {
     "lora_export": (write_lora_export, "krea2"),
     "flux_lora": (write_flux_lora, "flux"),
     "key_coverage": (write_key_coverage, "."),
+    "tokenizers": (write_tokenizers, "tokenizers"),
 }
 
 
