@@ -49,7 +49,8 @@ def main(argv=None) -> int:
         parser.error(f"--size {size}: must be a multiple of 16")
     try:
         if args.demo:
-            pipe = demo_pipeline(Path(tempfile.mkdtemp(prefix="mxdit-demo-tokenizer-")), dtype=jnp.float32)
+            with tempfile.TemporaryDirectory(prefix="mxdit-demo-tokenizer-") as folder:  # read, then removed
+                pipe = demo_pipeline(Path(folder), dtype=jnp.float32)
             print("demo: RANDOM weights -- the figures show the machinery works, not how good a format is")
         else:
             pipe = Krea2Pipeline.from_pretrained(args.model, jnp.bfloat16)

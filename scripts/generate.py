@@ -179,7 +179,28 @@ def out_of_memory_message(error: Exception, stage: str, args) -> str | None:
 
 
 def main(argv=None) -> int:
+    started = time.perf_counter()  # the stage table's total runs from here to the last PNG written
     args = parse_args(argv)
+    import jax
+
+    from mxdit.cli import CompileLog
+
+    cache_on = str(args.compile_cache) not in ("", ".")
+    if cache_on:
+        from jax.experimental.compilation_cache import compilation_cache
+
+        compilation_cache.reset_cache()  # a cache already opened in this process (tests) would keep its folder
+        jax.config.update("jax_compilation_cache_dir", str(args.compile_cache))
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+    with CompileLog() as compiles:
+        code = generate(args, started)
+    if code == 0:
+        print(compiles.summary(cache_on))
+    return code
+
+
+def generate(args: argparse.Namespace, started: float) -> int:
+    """The run after parsing: load, generate, write the PNGs, print the stage table (seconds since `started`)."""
     import jax
     import jax.numpy as jnp
     from tqdm import tqdm
@@ -189,18 +210,14 @@ def main(argv=None) -> int:
     from mxdit.model.pipeline_krea2 import demo_pipeline
     from mxdit.model.pipelines import load_pipeline, prepare_transformer
 
-    if str(args.compile_cache) not in ("", "."):
-        from jax.experimental.compilation_cache import compilation_cache
-
-        compilation_cache.reset_cache()  # a cache already opened in this process (tests) would keep its folder
-        jax.config.update("jax_compilation_cache_dir", str(args.compile_cache))
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
     dtype = getattr(jnp, DTYPES[args.dtype])
     t0 = time.perf_counter()
+    stages = {"start-up": t0 - started}  # parsing, importing jax and mxdit
     try:
         mesh = mesh_from_arguments(args)
         if args.demo:
-            pipe = demo_pipeline(Path(tempfile.mkdtemp(prefix="mxdit-demo-tokenizer-")), seed=0, dtype=dtype)
+            with tempfile.TemporaryDirectory(prefix="mxdit-demo-tokenizer-") as folder:  # read, then removed
+                pipe = demo_pipeline(Path(folder), seed=0, dtype=dtype)
             print("mxdit demo: tiny Krea 2-shaped model with RANDOM weights -- the image is noise, not a picture.")
         else:
             from mxdit.model.loading import place_parameters
@@ -250,7 +267,7 @@ def main(argv=None) -> int:
             raise
         print(message, file=sys.stderr)
         return 2
-    load_s = time.perf_counter() - t0
+    stages["load"] = time.perf_counter() - t0
 
     flux = isinstance(pipe, FluxPipeline)
     steps = args.steps or ((28 if pipe.is_dev else 4) if flux else pipe.config.default_steps)
@@ -265,6 +282,7 @@ def main(argv=None) -> int:
 
         if not args.progress:
             print(f"denoising: {steps} steps")
+        t0 = time.perf_counter()
         try:
             # Without a per-step callback the pipelines run all steps as one program (no host round trip).
             out = pipe(args.prompt, args.negative_prompt, height=args.height, width=args.width, num_inference_steps=steps,
@@ -278,13 +296,19 @@ def main(argv=None) -> int:
                 raise
             print(message, file=sys.stderr)
             return 2
+    generate_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
     for image, path in zip(out.images, args.outputs, strict=True):
         save_png(image, path)
         print(f"wrote {path} ({image.width}x{image.height})")
+    done = time.perf_counter()
+    pipeline_stages = {k: v for k, v in out.timings.items() if k != "total"}
+    stages.update(pipeline_stages)
+    stages["other"] = generate_s - sum(pipeline_stages.values())  # the pipeline's untimed rest: noise, schedule
+    stages["write"] = done - t0
     print(f"\n{'stage':<14}{'seconds':>9}")
-    for stage, seconds in {"load": load_s, **out.timings}.items():
+    for stage, seconds in {**stages, "total": done - started}.items():
         print(f"{stage:<14}{seconds:9.3f}")
-    print("(first run of a shape includes compilation)")
     return 0
 
 

@@ -134,8 +134,8 @@ def main(argv=None) -> int:
         if args.demo:
             from mxdit.model.pipeline_krea2 import demo_pipeline
 
-            pipe = demo_pipeline(Path(tempfile.mkdtemp(prefix="mxdit-demo-tokenizer-")), seed=0, dtype=dtype,
-                                 distilled=False)
+            with tempfile.TemporaryDirectory(prefix="mxdit-demo-tokenizer-") as folder:  # read, then removed
+                pipe = demo_pipeline(Path(folder), seed=0, dtype=dtype, distilled=False)
             print("mxdit demo: tiny Krea 2-shaped model with RANDOM weights -- training machinery, not a real LoRA.")
             tag = "demo"
         else:

@@ -2,6 +2,7 @@
 
 import importlib.util
 import shutil
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -23,16 +24,30 @@ def run(argv, capsys):
     return code, capsys.readouterr()
 
 
-def test_demo_writes_a_png_of_the_asked_size(tmp_path, capsys):
-    out = tmp_path / "demo.png"
+def stage_table(out: str) -> dict[str, float]:
+    """generate.py's stage table: stage -> seconds."""
+    lines = out[out.index("stage "):].splitlines()[1:]
+    return {line[:14].strip(): float(line[14:]) for line in lines if line[:1].strip() and line[14:].strip()
+            and not line.startswith("compilation")}
+
+
+def test_demo_writes_a_png_of_the_asked_size(tmp_path, capsys, monkeypatch):
+    out, temporary = tmp_path / "demo.png", tmp_path / "tmp"
+    temporary.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(temporary))  # where the demo's tokenizer folder goes
     code, captured = run(["--demo", "--prompt", "a red fox", "--height", "64", "--width", "96", "--steps", "2",
                           "--output", str(out)], capsys)
     assert code == 0, captured.err
     with Image.open(out) as image:
         assert image.format == "PNG" and image.size == (96, 64) and image.mode == "RGB"
     assert "RANDOM weights" in captured.out
-    for stage in ("text encode", "denoise", "decode", "total"):
-        assert stage in captured.out
+    assert not any(temporary.iterdir())  # the demo tokenizer's folder is removed once read
+    # every stage from the start to the PNG written, and the total is their sum: the wall time of the run
+    stages = stage_table(captured.out)
+    assert list(stages) == ["start-up", "load", "text encode", "denoise", "decode", "other", "write", "total"]
+    assert min(stages.values()) >= 0 and stages["total"] >= stages["load"]
+    assert abs(sum(stages.values()) - 2 * stages["total"]) < 0.01  # 3 decimals each: the rounding
+    assert captured.out.strip().splitlines()[-1].startswith("compilation: ")
     # --progress: a bar per step (the steps stepped from the host), the same image
     code, captured = run(["--demo", "--prompt", "a red fox", "--height", "64", "--width", "96", "--steps", "2",
                           "--progress", "--output", str(tmp_path / "p.png")], capsys)
@@ -236,6 +251,42 @@ def test_device_out_of_memory_is_one_line_with_what_would_fit(tmp_path, capsys, 
     with pytest.raises(jax.errors.JaxRuntimeError, match="something else"):
         generate.main(["--demo", "--prompt", "a fox", "--height", "64", "--width", "64", "--steps", "1",
                        "--output", str(tmp_path / "y.png")])
+
+
+def test_compile_log_tells_compiled_programs_from_those_the_persistent_cache_served(tmp_path):
+    """generate.py's last line says what was compiled and what the persistent compilation cache served: the same
+    program jitted twice (two functions, so that the in-memory caches do not serve the second) is compiled once,
+    then read from the cache; with the cache off it is compiled each time."""
+    import jax
+    import jax.numpy as jnp
+    from jax.experimental.compilation_cache import compilation_cache
+
+    from mxdit.cli import CompileLog
+
+    def program():
+        return jax.jit(lambda x: jnp.sin(x) * 3.0 + jnp.arange(7.0))
+
+    x = np.ones(7, np.float32)  # a host array: nothing compiled to make it
+    before = (jax.config.jax_compilation_cache_dir, jax.config.jax_persistent_cache_min_compile_time_secs)
+    try:
+        jax.config.update("jax_compilation_cache_dir", str(tmp_path / "cache"))
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+        compilation_cache.reset_cache()
+        with CompileLog() as first:
+            program()(x)
+        with CompileLog() as second:
+            program()(x)
+    finally:
+        jax.config.update("jax_compilation_cache_dir", before[0])
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", before[1])
+        compilation_cache.reset_cache()
+    assert (first.compiled, first.cached, second.compiled, second.cached) == (1, 0, 0, 1)
+    assert first.summary(cache_on=True).startswith("compilation: 1 program compiled (")
+    assert first.summary(cache_on=True).endswith("), none read from the compile cache")
+    assert second.summary(cache_on=True).startswith("compilation: none compiled, 1 program read from the compile cache")
+    with CompileLog() as none:
+        program()  # nothing run, nothing compiled
+    assert none.summary(cache_on=False) == "compilation: none (every program was already compiled in this process)"
 
 
 def test_attention_and_precision_choices_are_the_models():
