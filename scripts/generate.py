@@ -117,10 +117,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.lora:
         from mxdit.training.lora_files import parse_lora_arg
 
-        args.loras = [parse_lora_arg(spec) for spec in args.lora]
-        for path, _ in args.loras:
+        for spec in args.lora:
+            try:
+                path, weight = parse_lora_arg(spec)
+            except ValueError as e:
+                parser.error(f"--lora {spec}: {e}")
             if not path.is_file():
                 parser.error(f"--lora {path}: no such file")
+            args.loras.append((path, weight))
     check_device_arguments(parser, args)
     if args.quantized is not None:
         if args.model is None:

@@ -129,6 +129,8 @@ def test_loras_apply_at_run_time_and_fused(tmp_path, capsys):
 
 @pytest.mark.parametrize("spec, message", [
     ("/nonexistent/x.safetensors:0.8", "--lora /nonexistent/x.safetensors: no such file"),
+    (f"{FIXTURES / 'krea2' / 'lora' / 'kohya.safetensors'}:abc", "kohya.safetensors:abc: weight 'abc' is not a finite "
+                                                                  "number (FILE[:WEIGHT], e.g. "),
     (str(FIXTURES / "krea2" / "lora" / "kohya.safetensors"), "kohya.safetensors: lora_unet_"),
 ])
 def test_bad_lora_exits_with_one_line_naming_the_file(tmp_path, capsys, spec, message):

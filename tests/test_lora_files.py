@@ -214,6 +214,25 @@ def test_parse_lora_arg():
     assert parse_lora_arg("a.safetensors:-1") == (Path("a.safetensors"), -1.0)
 
 
+def test_parse_lora_arg_names_a_bad_weight_and_keeps_files_with_colons(tmp_path):
+    file = tmp_path / "style.safetensors"
+    file.write_bytes(b"")
+    with pytest.raises(ValueError, match=r"^weight 'abc' is not a finite number \(FILE\[:WEIGHT\], e\.g\. .*style"
+                                         r"\.safetensors:0\.8\)$"):
+        parse_lora_arg(f"{file}:abc")
+    with pytest.raises(ValueError, match="weight 'nan' is not a finite number"):
+        parse_lora_arg(f"{file}:nan")
+    with pytest.raises(ValueError, match=r"weight 'abc' .*; and missing\.safetensors: no such file"):
+        parse_lora_arg("missing.safetensors:abc")
+    colons = tmp_path / "v1:final.safetensors"  # an existing file is taken whole, weight 1
+    colons.write_bytes(b"")
+    assert parse_lora_arg(str(colons)) == (colons, 1.0)
+    assert parse_lora_arg(f"{colons}:0.5") == (colons, 0.5)
+    weighted = tmp_path / "a:2"  # even where its name ends like a weight
+    weighted.write_bytes(b"")
+    assert parse_lora_arg(str(weighted)) == (weighted, 1.0)
+
+
 # --------------------------------------------------------------------------------------------------------------------
 # FLUX.1: the original layout fuses q, k, v (and the single blocks' MLP input) into one layer
 

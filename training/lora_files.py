@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -289,15 +290,25 @@ def _listing(keys: Sequence[str], limit: int = 8) -> str:
 
 
 def parse_lora_arg(spec: str) -> tuple[Path, float]:
-    """`FILE[:WEIGHT]` (generate.py's --lora) -> (path, weight); the weight defaults to 1.0. A colon followed by
-    something that is not a number stays part of the path (Windows drives, odd names)."""
+    """`FILE[:WEIGHT]` (generate.py's --lora) -> (path, weight); the weight defaults to 1.0. A `spec` that names an
+    existing file is that file, colons and all; otherwise the text after the last colon is the weight, unless it reads
+    as part of a path (a separator or a dot in it, as in C:/x.safetensors). A weight that is not a finite number
+    raises ValueError naming it (and the file, when that is missing too)."""
+    if Path(spec).is_file():
+        return Path(spec), 1.0
     path, sep, weight = spec.rpartition(":")
-    if sep:
-        try:
-            return Path(path), float(weight)
-        except ValueError:
-            pass
-    return Path(spec), 1.0
+    if not sep or not path:
+        return Path(spec), 1.0
+    try:
+        value = float(weight)
+    except ValueError:
+        value = None
+    if value is not None and math.isfinite(value):
+        return Path(path), value
+    if value is None and not Path(path).is_file() and any(c in weight for c in "/\\."):
+        return Path(spec), 1.0  # a path with a colon, not a weight
+    missing = "" if Path(path).is_file() else f"; and {path}: no such file"
+    raise ValueError(f"weight {weight!r} is not a finite number (FILE[:WEIGHT], e.g. {path}:0.8){missing}")
 
 
 def apply_loras(model: nnx.Module, loras: Sequence[tuple[str | Path | LoraFile, float]], fuse: bool = False) -> list[str]:
