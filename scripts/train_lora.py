@@ -115,10 +115,9 @@ def main(argv=None) -> int:
     from mxdit.model.pipelines import load_pipeline
     from mxdit.training.data import DataError
     from mxdit.training.lora import LoraConfig, model_family, quantize_base, target_preset
-    from mxdit.training.train import TrainConfig, TrainError, train
+    from mxdit.training.train import TrainConfig, TrainError, check_inputs, train
 
     try:
-        mesh = mesh_from_arguments(args)
         config = TrainConfig(
             steps=args.steps, batch_size=args.batch_size, grad_accum=args.grad_accum, learning_rate=args.lr,
             warmup_steps=args.warmup_steps, final_lr_ratio=args.final_lr_ratio, weight_decay=args.weight_decay,
@@ -130,6 +129,8 @@ def main(argv=None) -> int:
             seed=args.seed, save_every=args.save_every, keep_checkpoints=args.keep,
             validate_every=args.validate_every, validation_prompts=tuple(args.validation_prompt),
             validation_steps=args.validation_steps)
+        check_inputs(args.data, args.output, config, resume=args.resume)  # before any model is built or loaded
+        mesh = mesh_from_arguments(args)
         dtype = getattr(jnp, DTYPES[args.dtype])
         if args.demo:
             from mxdit.model.pipeline_krea2 import demo_pipeline

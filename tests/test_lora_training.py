@@ -255,6 +255,40 @@ def test_cli_demo_trains_and_bad_arguments_exit_with_one_line(photos, tmp_path, 
     assert code == 2 and "--remat" in captured.err and len(captured.err.splitlines()) == 1
 
 
+def test_cli_checks_data_and_output_folders_before_building_a_model(tmp_path, capsys, monkeypatch):
+    """An empty or broken data folder, or an output folder that holds a run (or none to resume), exits with one line
+    before any model is built or loaded."""
+    import mxdit.model.pipeline_krea2
+    import mxdit.model.pipelines
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("a model was built before the inputs were checked")
+
+    monkeypatch.setattr(mxdit.model.pipeline_krea2, "demo_pipeline", no_model)
+    monkeypatch.setattr(mxdit.model.pipelines, "load_pipeline", no_model)
+    empty, broken, uncaptioned, good, taken = (tmp_path / name for name in ("empty", "broken", "uncaptioned", "good",
+                                                                              "taken"))
+    for folder in (empty, broken, uncaptioned, good, taken):
+        folder.mkdir()
+    (broken / "a.png").write_bytes(b"this is not a PNG")
+    (broken / "a.txt").write_text("a caption")
+    Image.new("RGB", (40, 40)).save(uncaptioned / "b.png")
+    Image.new("RGB", (40, 40)).save(good / "c.png")
+    (good / "c.txt").write_text("a black square")
+    (taken / "train_log.jsonl").write_text("")
+    model = Path(__file__).parent / "fixtures" / "krea2" / "tiny_pipeline"
+    for source in (["--demo"], ["--model", str(model)]):
+        for data, output, extra, message in (
+                (empty, tmp_path / "out", [], f"{empty}: no images"),
+                (broken, tmp_path / "out", [], f"{broken / 'a.png'}: unreadable image"),
+                (uncaptioned, tmp_path / "out", [], f"{uncaptioned / 'b.png'}: caption missing"),
+                (good, taken, [], f"{taken}: already holds a training run (train_log.jsonl)"),
+                (good, tmp_path / "out", ["--resume"], f"{tmp_path / 'out'}: nothing to resume")):
+            code, captured = run_cli([*source, "--data", str(data), "--output", str(output), *extra], capsys)
+            assert code == 2 and captured.err.startswith(f"train_lora.py: error: {message}"), captured.err
+            assert len(captured.err.splitlines()) == 1 and not (tmp_path / "out").exists()
+
+
 # --------------------------------------------------------------------------------------------------------------------
 # FLUX.1: the same training on the tiny FLUX.1-dev fixture (random weights in diffusers' layout)
 

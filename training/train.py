@@ -312,6 +312,32 @@ class TrainResult:
     output_dir: Path
 
 
+def check_inputs(data_dir: str | Path, output_dir: str | Path, config: TrainConfig, *,
+                 resume: bool = False) -> tuple[list[data_lib.Example], list[tuple[int, int]]]:
+    """What `train` checks before any work, and needs no model for: the output folder (an existing run only with
+    `resume`, and one to resume with it), the data folder (images, each with a caption, each readable) and the
+    buckets. Returns the examples and the (height, width) buckets; raises TrainError or DataError naming the folder
+    or file at fault. scripts/train_lora.py calls it before building or loading a model."""
+    output_dir = Path(output_dir)
+    if output_dir.exists() and not output_dir.is_dir():
+        raise TrainError(f"{output_dir}: exists and is not a folder")
+    manager_dir = output_dir / "checkpoints"
+    has_run = manager_dir.is_dir() and any(manager_dir.iterdir())
+    if resume and not has_run:
+        raise TrainError(f"{output_dir}: nothing to resume (no checkpoints/ with a saved step)")
+    if not resume:
+        taken = [name for name in ("checkpoints", "lora.safetensors", "train_log.jsonl")
+                 if (output_dir / name).exists() and not (name == "checkpoints" and not has_run)]
+        if taken:
+            raise TrainError(f"{output_dir}: already holds a training run ({', '.join(taken)}); pass resume (--resume) "
+                             "to continue it, or choose another output folder")
+    examples = data_lib.read_folder(data_dir)
+    buckets = data_lib.make_buckets(config.resolution, config.aspects, config.bucket_multiple)
+    for example in examples:  # errors about the images come out here, before anything is written
+        data_lib.image_size(example.image)
+    return examples, buckets
+
+
 def train(pipe, data_dir: str | Path, output_dir: str | Path, config: TrainConfig, lora_config: LoraConfig, *,
           resume: bool = False, model_tag: str = "", cache_dir: str | Path | None = None, validation_pipe=None,
           stop_at: int | None = None, progress: bool = True, mesh=None) -> TrainResult:
@@ -341,18 +367,7 @@ def train(pipe, data_dir: str | Path, output_dir: str | Path, config: TrainConfi
             raise TrainError(f"mesh {describe(mesh)}: validation images are not made on a mesh yet; train without "
                              "validation prompts, then generate with the saved LoRA")
     output_dir = Path(output_dir)
-    manager_dir = output_dir / "checkpoints"
-    has_run = manager_dir.is_dir() and any(manager_dir.iterdir())
-    if resume and not has_run:
-        raise TrainError(f"{output_dir}: nothing to resume (no checkpoints/ with a saved step)")
-    if not resume:
-        taken = [name for name in ("checkpoints", "lora.safetensors", "train_log.jsonl")
-                 if (output_dir / name).exists() and not (name == "checkpoints" and not has_run)]
-        if taken:
-            raise TrainError(f"{output_dir}: already holds a training run ({', '.join(taken)}); pass resume (--resume) "
-                             "to continue it, or choose another output folder")
-
-    examples = data_lib.read_folder(data_dir)
+    examples, buckets = check_inputs(data_dir, output_dir, config, resume=resume)
     fingerprint = data_fingerprint(examples)
     comparable = _comparable(config, lora_config, pipe.transformer, model_tag)
     manager = None
@@ -372,10 +387,6 @@ def train(pipe, data_dir: str | Path, output_dir: str | Path, config: TrainConfi
             raise TrainError(f"{output_dir}: cannot resume, the checkpoint at step {latest} was made with another "
                              f"config: {'; '.join(differences)}")
 
-    # Data: buckets, cache. Errors about the images come out here, before anything is written.
-    buckets = data_lib.make_buckets(config.resolution, config.aspects, config.bucket_multiple)
-    for example in examples:
-        data_lib.image_size(example.image)
     if any(True for _ in adapters(pipe.transformer)):
         raise TrainError("the transformer already has LoRA adapters; remove_lora(pipe.transformer) first")
     from tqdm import tqdm
