@@ -13,6 +13,8 @@ import argparse
 import sys
 from pathlib import Path
 
+from mxdit.cli import OneLineErrorParser
+
 
 def size_table() -> list[tuple[str, str, int]]:
     """(model, format, bytes) for the full-size Krea 2 and FLUX.1-dev transformers under their default rules."""
@@ -36,28 +38,48 @@ def size_table() -> list[tuple[str, str, int]]:
     return rows
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="quantize.py", description=__doc__.splitlines()[0])
-    parser.add_argument("--model", type=Path, help="a Krea 2 or FLUX.1 transformer/ folder or single file")
-    parser.add_argument("--format", help="a format of quant.formats()")
-    parser.add_argument("--output", type=Path)
-    parser.add_argument("--overwrite", action="store_true")
-    parser.add_argument("--sizes", action="store_true", help="print weight bytes of the full-size models and exit")
-    args = parser.parse_args(argv)
+# quant.formats.formats(), listed here so that parsing needs no jax (a test keeps the two equal)
+FORMAT_CHOICES = ("fp8_e4m3", "fp8_e5m2", "mxfp8_e4m3", "mxfp8_e5m2", "mxfp6_e2m3", "mxfp6_e3m2", "mxfp4_e2m1", "nvfp4",
+                  "int8", "int8_rot")
 
+
+def build_parser() -> OneLineErrorParser:
+    parser = OneLineErrorParser(prog="quantize.py", description=__doc__.splitlines()[0])
+    parser.add_argument("--model", type=Path,
+                        help="a Krea 2 or FLUX.1 transformer/ folder (diffusers layout) or single safetensors file")
+    parser.add_argument("--format", choices=FORMAT_CHOICES, metavar="FORMAT",
+                        help="the block matrices' format: " + ", ".join(FORMAT_CHOICES) + " (quant/formats.py)")
+    parser.add_argument("--output", type=Path, help="the quantized checkpoint to write (one .safetensors file)")
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing --output file")
+    parser.add_argument("--sizes", action="store_true",
+                        help="print the weight bytes of the full-size models at every format and exit")
+    return parser
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.sizes:
+        return args
+    missing = [f"--{name}" for name in ("model", "format", "output") if getattr(args, name) is None]
+    if missing:
+        parser.error(f"{' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} required (or --sizes)")
+    if not args.model.exists():
+        parser.error(f"--model {args.model}: no such file or folder")
+    if args.output.exists() and not args.overwrite:
+        parser.error(f"--output {args.output}: already exists (pass --overwrite to replace)")
+    if not args.output.parent.is_dir():
+        parser.error(f"--output {args.output}: folder {args.output.parent} does not exist")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
     if args.sizes:
         print(f"{'model':<12}{'format':<13}{'GB':>8}")
         for model, fmt, nbytes in size_table():
             print(f"{model:<12}{fmt:<13}{nbytes / 1e9:8.2f}")
         return 0
-    from mxdit.quant.formats import formats
-
-    if not (args.model and args.format and args.output):
-        parser.error("--model, --format and --output are required (or --sizes)")
-    if args.format not in formats():
-        parser.error(f"--format {args.format}: unknown; one of {', '.join(formats())}")
-    if args.output.exists() and not args.overwrite:
-        parser.error(f"--output {args.output}: already exists (pass --overwrite to replace)")
 
     import jax.numpy as jnp
 

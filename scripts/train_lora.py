@@ -22,7 +22,7 @@ from pathlib import Path
 from mxdit.cli import DTYPES, OneLineErrorParser, add_device_arguments, check_device_arguments, mesh_from_arguments
 
 
-def parse_args(argv=None) -> argparse.Namespace:
+def build_parser() -> OneLineErrorParser:
     from mxdit.training.lora import TARGET_PRESETS
     from mxdit.training.train import REMAT_POLICIES, TIMESTEP_SAMPLING
 
@@ -43,41 +43,51 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--quantize-base", default=None, metavar="FORMAT",
                    help="keep the frozen block matrices in this quant/ format (e.g. mxfp8_e4m3), dequantized per call")
     lora = p.add_argument_group("LoRA")
-    lora.add_argument("--rank", type=int, default=32)
+    lora.add_argument("--rank", type=int, default=32, help="the adapters' rank (default 32)")
     lora.add_argument("--alpha", type=float, default=None, help="default: the rank (scale 1)")
-    lora.add_argument("--dropout", type=float, default=0.0)
+    lora.add_argument("--dropout", type=float, default=0.0, help="dropout on the adapters' input while training")
     lora.add_argument("--targets", default="attention+mlp",
                       help="a preset (Krea 2: " + ", ".join(TARGET_PRESETS["krea2"]) + "; FLUX.1: "
                            + ", ".join(TARGET_PRESETS["flux"]) + ") or comma-separated regular expressions matched "
                            "in full against module paths such as transformer_blocks.3.attn.to_q")
     t = p.add_argument_group("training")
-    t.add_argument("--steps", type=int, default=1000)
+    t.add_argument("--steps", type=int, default=1000, help="optimizer steps (default 1000)")
     t.add_argument("--batch-size", type=int, default=1, help="micro-batch")
     t.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step")
-    t.add_argument("--lr", type=float, default=3e-4)
-    t.add_argument("--warmup-steps", type=int, default=0)
+    t.add_argument("--lr", type=float, default=3e-4, help="peak learning rate (AdamW; default 3e-4)")
+    t.add_argument("--warmup-steps", type=int, default=0, help="steps of linear warm-up from 0 to --lr")
     t.add_argument("--final-lr-ratio", type=float, default=0.1, help="cosine decay ends at lr times this")
-    t.add_argument("--weight-decay", type=float, default=1e-4)
-    t.add_argument("--max-grad-norm", type=float, default=1.0)
-    t.add_argument("--timestep-sampling", choices=TIMESTEP_SAMPLING, default="logit_normal")
-    t.add_argument("--logit-mean", type=float, default=0.0)
-    t.add_argument("--logit-std", type=float, default=1.0)
+    t.add_argument("--weight-decay", type=float, default=1e-4, help="AdamW's decoupled weight decay")
+    t.add_argument("--max-grad-norm", type=float, default=1.0, help="gradients clipped to this global norm")
+    t.add_argument("--timestep-sampling", choices=TIMESTEP_SAMPLING, default="logit_normal",
+                   help="noise levels drawn as sigmoid(N(--logit-mean, --logit-std)), or uniform then time-shifted")
+    t.add_argument("--logit-mean", type=float, default=0.0, help="logit_normal: the normal's mean")
+    t.add_argument("--logit-std", type=float, default=1.0, help="logit_normal: the normal's standard deviation")
     t.add_argument("--shift-mu", type=float, default=None, help="'shifted': fixed mu (default: from the image size)")
     t.add_argument("--guidance-scale", type=float, default=3.5, help="FLUX.1-dev: the embedded guidance in training")
     t.add_argument("--resolution", type=int, default=None, help="bucket side in pixels (default 1024; demo 64)")
     t.add_argument("--bucket-multiple", type=int, default=None, help="bucket sides round to this (default 64; demo 16)")
     t.add_argument("--aspects", default=None,
                    help="bucket aspect ratios (width/height), comma-separated (default 1/2, 9/16, ..., 1, ..., 2)")
-    t.add_argument("--max-sequence-length", type=int, default=512)
+    t.add_argument("--max-sequence-length", type=int, default=512, help="text tokens per caption (default 512)")
     t.add_argument("--remat", choices=list(REMAT_POLICIES), default="none", help="rematerialization of each block")
-    t.add_argument("--seed", type=int, default=0)
-    t.add_argument("--save-every", type=int, default=500)
+    t.add_argument("--seed", type=int, default=0, help="adapters' initialization, noise, timesteps and data order")
+    t.add_argument("--save-every", type=int, default=500, help="a checkpoint every this many steps (and at the end)")
     t.add_argument("--keep", type=int, default=3, help="checkpoints kept")
-    t.add_argument("--validate-every", type=int, default=0)
+    t.add_argument("--validate-every", type=int, default=0,
+                   help="validation images every this many steps (0: none; needs --validation-prompt)")
     t.add_argument("--validation-prompt", action="append", default=[], help="repeat for several")
-    t.add_argument("--validation-steps", type=int, default=None)
-    t.add_argument("--no-progress", action="store_true")
+    t.add_argument("--validation-steps", type=int, default=None,
+                   help="denoising steps of a validation image (default: the model's, 28 Base, 8 Turbo)")
+    t.add_argument("--no-progress", action="store_true", help="no progress bars")
     add_device_arguments(t, "devices by named axes, e.g. data=2,fsdp=4 (data parallel x FSDP); default one device")
+    return p
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    from mxdit.training.lora import TARGET_PRESETS
+
+    p = build_parser()
     args = p.parse_args(argv)
     check_device_arguments(p, args)
 

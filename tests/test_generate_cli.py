@@ -291,6 +291,44 @@ def test_compile_log_tells_compiled_programs_from_those_the_persistent_cache_ser
     assert none.summary(cache_on=False) == "compilation: none (every program was already compiled in this process)"
 
 
+def load_script(name: str):
+    spec = importlib.util.spec_from_file_location(name, Path(__file__).parent.parent / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_every_option_of_the_scripts_has_help():
+    for name in ("generate", "quantize", "train_lora"):
+        parser = load_script(name).build_parser()
+        bare = [a.option_strings[0] for a in parser._actions if a.option_strings and not a.help]
+        assert not bare, f"{name}.py: options without help: {bare}"
+
+
+@pytest.mark.parametrize("argv, message", [
+    ([], "--model and --format and --output are required (or --sizes)"),
+    (["--format", "fp8_e4m3", "--output", "q.safetensors"], "--model is required (or --sizes)"),
+    (["--model", "/nonexistent/transformer", "--format", "fp8_e4m3", "--output", "q.safetensors"],
+     "--model /nonexistent/transformer: no such file or folder"),
+    (["--model", ".", "--format", "fp9", "--output", "q.safetensors"], "argument --format: invalid choice: 'fp9'"),
+    (["--model", ".", "--format", "int8", "--output", "/nonexistent/q.safetensors"],
+     "--output /nonexistent/q.safetensors: folder /nonexistent does not exist"),
+])
+def test_quantize_bad_arguments_exit_with_one_line(capsys, argv, message):
+    quantize = load_script("quantize")
+    with pytest.raises(SystemExit) as exit:
+        quantize.main(argv)
+    err = capsys.readouterr().err
+    assert exit.value.code == 2 and err.startswith("quantize.py: error: ") and err.count("\n") == 1, err
+    assert message in err
+
+
+def test_quantize_format_choices_are_quant_formats():
+    from mxdit.quant.formats import formats
+
+    assert list(load_script("quantize").FORMAT_CHOICES) == formats()
+
+
 def test_attention_and_precision_choices_are_the_models():
     """generate.py and benchmark.py list the models' attention kernels and precisions themselves (importing the
     models before parsing would slow every start): the lists must stay the models' own."""
