@@ -74,6 +74,15 @@ def config_from_dict(cls: type[T], data: Mapping[str, Any], source: str) -> T:
         raise CheckpointError(f"{source}: invalid {cls.__name__}: {e}") from None
 
 
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")  # PyTorch's torch.save files: pickles, which run code when read
+
+
+def pickle_error(file: Path) -> CheckpointError:
+    """The error for a PyTorch pickle where safetensors were expected: mxdit never unpickles (that can run code)."""
+    return CheckpointError(f"{file}: a PyTorch pickle; mxdit reads safetensors only, not pickles (convert it to "
+                           ".safetensors, or download the release's safetensors files)")
+
+
 _RAW_DTYPES = {"F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2,
                "F8_E8M0": ml_dtypes.float8_e8m0fnu}
 
@@ -94,6 +103,8 @@ class SafetensorsCheckpoint:
         if file not in self._handles:
             if not file.is_file():
                 raise CheckpointError(f"{file}: file not found")
+            if file.suffix.lower() in PICKLE_SUFFIXES:
+                raise pickle_error(file)
             try:
                 self._handles[file] = safe_open(str(file), framework="numpy")
             except Exception as e:  # safetensors raises its own error types for truncated or corrupt files
@@ -245,7 +256,8 @@ def dequantize_comfy(checkpoint: Checkpoint) -> Checkpoint:
 
 def open_checkpoint(path: Path, weights_name: str) -> Checkpoint:
     """Open `path`: a single `.safetensors` file, or a folder holding `{weights_name}.safetensors` or the shards named
-    by `{weights_name}.safetensors.index.json`."""
+    by `{weights_name}.safetensors.index.json`. PyTorch pickles (`.bin`, `.pt`, `.pth`, `.ckpt`) are refused by name:
+    they are never read."""
     path = Path(path)
     if path.is_file():
         return dequantize_comfy(SafetensorsCheckpoint([path]))
@@ -268,6 +280,10 @@ def open_checkpoint(path: Path, weights_name: str) -> Checkpoint:
         if misplaced:
             raise CheckpointError(f"{index}: keys not found in the shard it names: {_listing(misplaced)}")
         return checkpoint
+    pickles = sorted(f for f in path.iterdir() if f.is_file() and f.suffix.lower() in PICKLE_SUFFIXES)
+    if pickles:  # e.g. diffusion_pytorch_model.bin, pytorch_model-00001-of-00002.bin
+        preferred = [f for f in pickles if f.name.startswith(weights_name) or f.name.startswith("pytorch_model")]
+        raise pickle_error((preferred or pickles)[0])
     raise CheckpointError(f"{path}: no weights found (expected {single.name} or {index.name})")
 
 

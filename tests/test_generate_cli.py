@@ -103,6 +103,38 @@ def test_folder_missing_a_component_exits_with_its_name(tmp_path, capsys):
     assert "missing component folder(s) text_encoder/" in captured.err
 
 
+@pytest.mark.parametrize("component, weights", [("transformer", "diffusion_pytorch_model.bin"),
+                                                ("text_encoder", "pytorch_model-00001-of-00002.bin")])
+def test_folder_of_pytorch_pickles_exits_naming_the_file(tmp_path, capsys, component, weights):
+    """A component folder holding only PyTorch pickles: one line saying that pickles are not read, naming the file,
+    before any of them is opened."""
+    folder = tmp_path / "krea2"
+    shutil.copytree(FIXTURES / "krea2" / "tiny_pipeline", folder)
+    for file in (folder / component).glob("*.safetensors"):
+        file.rename(folder / component / weights)
+    code, captured = run(["--model", str(folder), "--prompt", "x", "--output", str(tmp_path / "o.png")], capsys)
+    assert code == 2 and captured.err.strip().count("\n") == 0, captured.err
+    assert f"{folder / component / weights}: a PyTorch pickle; mxdit reads safetensors only" in captured.err
+
+
+def test_pytorch_pickles_are_refused_by_name_wherever_weights_are_read(tmp_path):
+    from mxdit.model.loading import CheckpointError, open_checkpoint
+    from mxdit.training.lora_files import LoraFileError, read_lora
+
+    pickle = tmp_path / "model.pt"
+    pickle.write_bytes(b"\x80\x02not read")
+    with pytest.raises(CheckpointError, match=r"model\.pt: a PyTorch pickle; mxdit reads safetensors only"):
+        open_checkpoint(pickle, "diffusion_pytorch_model")  # a single file given directly
+    peft = tmp_path / "peft"
+    peft.mkdir()
+    (peft / "adapter_model.bin").write_bytes(b"\x80\x02not read")
+    with pytest.raises(LoraFileError, match=r"adapter_model\.bin: a PyTorch pickle"):
+        read_lora(peft, None)  # the file is refused before the model is looked at
+    (peft / "adapter_model.bin").unlink()
+    with pytest.raises(LoraFileError, match=r"adapter_model\.safetensors: file not found"):
+        read_lora(peft, None)
+
+
 def test_existing_output_is_not_overwritten(tmp_path, capsys):
     out = tmp_path / "keep.png"
     out.write_bytes(b"precious")

@@ -216,8 +216,9 @@ def read_lora(path: str | Path, model: nnx.Module, strict: bool = True) -> LoraF
     scale alpha / rank. `strict`: keys that match no Linear of `model` (text-encoder LoRAs, DoRA scales, biases, ...)
     raise a `LoraFileError` listing them; False: they are returned in `.unknown`."""
     path = Path(path)
-    if path.is_dir():
-        path = path / "adapter_model.safetensors"
+    if path.is_dir():  # a PEFT folder; its adapter_model.bin (a pickle) gets that error
+        path = next((path / n for n in ("adapter_model.safetensors", "adapter_model.bin") if (path / n).is_file()),
+                    path / "adapter_model.safetensors")
     try:
         checkpoint = SafetensorsCheckpoint([path])
     except CheckpointError as e:
