@@ -16,6 +16,8 @@ import contextlib
 import contextvars
 import dataclasses
 import json
+import os
+import stat
 import typing
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -465,15 +467,40 @@ def iter_params(module: nnx.Module) -> Iterator[tuple[str, jax.Array]]:
         yield module_key(path), variable.get_value()
 
 
-def save_safetensors(tensors: Mapping[str, Any], path: Path, metadata: Mapping[str, str] | None = None) -> None:
-    """Write `tensors` to the safetensors file `path` atomically: to a temporary file beside it, then renamed, so an
-    existing file is never left half-written."""
-    from safetensors.numpy import save_file
+def new_file_mode(path: Path) -> int:
+    """The permission bits `open(path, "w")` would leave: an existing file keeps its own; a new one gets 0o666 less
+    the process's umask (read from /proc where it can be, so that the umask is never changed, even briefly)."""
+    try:
+        return stat.S_IMODE(os.stat(path).st_mode)
+    except FileNotFoundError:
+        pass
+    try:
+        with open("/proc/self/status") as status:
+            mask = next(int(line.split()[1], 8) for line in status if line.startswith("Umask:"))
+    except (OSError, StopIteration, ValueError):
+        mask = os.umask(0o022)
+        os.umask(mask)
+    return 0o666 & ~mask
 
+
+def write_atomically(path: str | Path, write: Callable[[Path], None]) -> None:
+    """`write(tmp)` to a temporary file beside `path`, then rename it over `path`: an existing file is never left
+    half-written, and nothing is left behind on an error. The result gets `new_file_mode(path)`, as a plain `open()`
+    would give it (writers such as safetensors' create private 0o600 files)."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp")
     try:
-        save_file({k: np.ascontiguousarray(np.asarray(v)) for k, v in tensors.items()}, str(tmp), metadata=metadata)
+        write(tmp)
+        os.chmod(tmp, new_file_mode(path))
         tmp.replace(path)
     finally:
         tmp.unlink(missing_ok=True)
+
+
+def save_safetensors(tensors: Mapping[str, Any], path: Path, metadata: Mapping[str, str] | None = None) -> None:
+    """Write `tensors` to the safetensors file `path` atomically (`write_atomically`): an existing file is never left
+    half-written; the file gets the mode a plain `open()` would give it."""
+    from safetensors.numpy import save_file
+
+    arrays = {k: np.ascontiguousarray(np.asarray(v)) for k, v in tensors.items()}
+    write_atomically(path, lambda tmp: save_file(arrays, str(tmp), metadata=metadata))

@@ -90,7 +90,7 @@ class QuantizedCheckpointError(ValueError):
 
 def save_quantized(params: Mapping[str, jax.Array | QuantizedArray], path: str | Path) -> None:
     """Write parameters, some quantized, to one safetensors file (atomically) with the metadata that rebuilds them."""
-    from safetensors.numpy import save_file
+    from mxdit.model.loading import save_safetensors
 
     tensors, meta = {}, {}
     for key, value in params.items():
@@ -104,14 +104,7 @@ def save_quantized(params: Mapping[str, jax.Array | QuantizedArray], path: str |
                 tensors[f"{key}.{name}"] = _storable(np.asarray(array))
         else:
             tensors[key] = np.asarray(value)
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp")  # written beside, then renamed: an existing file is never half-written
-    try:
-        save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, str(tmp),
-                  metadata={"mxdit.quant": json.dumps(meta)})
-        tmp.replace(path)
-    finally:
-        tmp.unlink(missing_ok=True)
+    save_safetensors(tensors, path, metadata={"mxdit.quant": json.dumps(meta)})  # atomic: never half-written
 
 
 def load_quantized(path: str | Path, *, on_host: bool = False) -> dict[str, jax.Array | QuantizedArray]:

@@ -162,12 +162,9 @@ def output_paths(output: Path, count: int) -> list[Path]:
 
 def save_png(image, path: Path) -> None:
     """Write atomically: to a temporary file in the same folder, then renamed over the target."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    try:
-        image.save(tmp, format="PNG")
-        tmp.replace(path)
-    finally:
-        tmp.unlink(missing_ok=True)
+    from mxdit.model.loading import write_atomically
+
+    write_atomically(path, lambda tmp: image.save(tmp, format="PNG"))
 
 
 def out_of_memory_message(error: Exception, stage: str, args) -> str | None:

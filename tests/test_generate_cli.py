@@ -135,6 +135,40 @@ def test_pytorch_pickles_are_refused_by_name_wherever_weights_are_read(tmp_path)
         read_lora(peft, None)
 
 
+def test_outputs_get_the_users_umask_and_replaced_files_keep_their_mode(tmp_path):
+    """PNGs, safetensors (LoRA files, quantized checkpoints) and the training run's JSON get the mode a plain open()
+    gives under the umask (safetensors itself writes 0o600); a file replaced keeps its own mode."""
+    import os
+    import stat
+
+    from mxdit.model.loading import save_safetensors
+    from mxdit.quant.formats import quantize
+    from mxdit.quant.model import load_quantized, save_quantized
+    from mxdit.training.train import _write_json
+
+    def mode(path):
+        return stat.S_IMODE(path.stat().st_mode)
+
+    writers = {
+        "a.png": lambda path: generate.save_png(Image.new("RGB", (4, 4)), path),
+        "b.safetensors": lambda path: save_safetensors({"w": np.ones((2, 2), np.float32)}, path),
+        "c.safetensors": lambda path: save_quantized({"w": quantize(np.ones((2, 32), np.float32), "mxfp8_e4m3")}, path),
+        "d.json": lambda path: _write_json(path, {"step": 1}),
+    }
+    previous = os.umask(0o027)
+    try:
+        for name, write in writers.items():
+            write(tmp_path / name)
+            assert mode(tmp_path / name) == 0o640, name
+            (tmp_path / name).chmod(0o604)
+            write(tmp_path / name)  # replaced atomically: the file's own mode stays
+            assert mode(tmp_path / name) == 0o604, name
+    finally:
+        os.umask(previous)
+    assert set(os.listdir(tmp_path)) == set(writers)  # no temporary files left
+    assert load_quantized(tmp_path / "c.safetensors", on_host=True)["w"].fmt == "mxfp8_e4m3"
+
+
 def test_existing_output_is_not_overwritten(tmp_path, capsys):
     out = tmp_path / "keep.png"
     out.write_bytes(b"precious")

@@ -172,6 +172,7 @@ def build_cache(pipe, examples: Sequence[Example], buckets: Sequence[tuple[int, 
     import jax.numpy as jnp
 
     from mxdit.model.images import uint8_to_unit_range
+    from mxdit.model.loading import write_atomically
     from mxdit.model.pipeline_flux import FluxPipeline
 
     cache_dir.mkdir(parents=True, exist_ok=True)
@@ -188,13 +189,13 @@ def build_cache(pipe, examples: Sequence[Example], buckets: Sequence[tuple[int, 
             else:
                 embeds, mask = pipe.encode_prompt([example.caption], max_sequence_length)
                 text = {"embeds": np.asarray(embeds[0], np.float32)[np.asarray(mask[0])]}
-            tmp = path.with_name(f".{path.name}.tmp")
-            try:
+            arrays = {"latents": np.asarray(latents[0], np.float32), **text}
+
+            def write(tmp: Path) -> None:
                 with open(tmp, "wb") as f:
-                    np.savez(f, latents=np.asarray(latents[0], np.float32), **text)
-                tmp.replace(path)
-            finally:
-                tmp.unlink(missing_ok=True)
+                    np.savez(f, **arrays)
+
+            write_atomically(path, write)
         with np.load(path) as data:
             tokens, pooled = int(data["embeds"].shape[0]), "pooled" in data.files
         cached.append(CachedExample(path, bucket, tokens, pooled))

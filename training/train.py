@@ -42,6 +42,7 @@ import optax
 from flax import nnx
 
 from mxdit.model.flow_match import ShiftConfig, calculate_shift
+from mxdit.model.loading import write_atomically
 from mxdit.model.pipeline_common import image_position_ids, pack_latents
 
 from . import data as data_lib
@@ -544,18 +545,8 @@ class _Validator:
             out = self.pipe(prompt, height=self.size[0], width=self.size[1], seed=self.config.seed,
                             num_inference_steps=self.config.validation_steps)
             path = self.folder / f"step_{step:06d}_{i}.png"
-            tmp = path.with_name(f".{path.name}.tmp")
-            try:
-                out.images[0].save(tmp, format="PNG")
-                tmp.replace(path)
-            finally:
-                tmp.unlink(missing_ok=True)
+            write_atomically(path, lambda tmp: out.images[0].save(tmp, format="PNG"))
 
 
 def _write_json(path: Path, value) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    try:
-        tmp.write_text(json.dumps(value, indent=1))
-        tmp.replace(path)
-    finally:
-        tmp.unlink(missing_ok=True)
+    write_atomically(path, lambda tmp: tmp.write_text(json.dumps(value, indent=1)))
