@@ -8,6 +8,8 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
+from not_run_summary import (pytest_deselected, pytest_sessionfinish,  # noqa: F401 (hooks: the summary's note)
+                             pytest_terminal_summary, pytest_testnodedown)
 
 FIXTURES = Path(__file__).parent / "fixtures"
 
