@@ -274,7 +274,8 @@ def generate(args: argparse.Namespace, started: float) -> int:
             raise
         print(message, file=sys.stderr)
         return 2
-    stages["load"] = time.perf_counter() - t0
+    loaded = time.perf_counter()  # the stages follow each other without gaps: their sum is the total
+    stages["load"] = loaded - t0
 
     flux = isinstance(pipe, FluxPipeline)
     steps = args.steps or ((28 if pipe.is_dev else 4) if flux else pipe.config.default_steps)
@@ -289,7 +290,6 @@ def generate(args: argparse.Namespace, started: float) -> int:
 
         if not args.progress:
             print(f"denoising: {steps} steps")
-        t0 = time.perf_counter()
         try:
             # Without a per-step callback the pipelines run all steps as one program (no host round trip).
             out = pipe(args.prompt, args.negative_prompt, height=args.height, width=args.width, num_inference_steps=steps,
@@ -303,16 +303,16 @@ def generate(args: argparse.Namespace, started: float) -> int:
                 raise
             print(message, file=sys.stderr)
             return 2
-    generate_s = time.perf_counter() - t0
-    t0 = time.perf_counter()
+    generated = time.perf_counter()
     for image, path in zip(out.images, args.outputs, strict=True):
         save_png(image, path)
         print(f"wrote {path} ({image.width}x{image.height})")
     done = time.perf_counter()
     pipeline_stages = {k: v for k, v in out.timings.items() if k != "total"}
     stages.update(pipeline_stages)
-    stages["other"] = generate_s - sum(pipeline_stages.values())  # the pipeline's untimed rest: noise, schedule
-    stages["write"] = done - t0
+    # what the pipeline's stages leave out: noise, schedule, the progress bar
+    stages["other"] = generated - loaded - sum(pipeline_stages.values())
+    stages["write"] = done - generated
     print(f"\n{'stage':<14}{'seconds':>9}")
     for stage, seconds in {**stages, "total": done - started}.items():
         print(f"{stage:<14}{seconds:9.3f}")
