@@ -103,15 +103,12 @@ def test_folder_missing_a_component_exits_with_its_name(tmp_path, capsys):
     assert "missing component folder(s) text_encoder/" in captured.err
 
 
-@pytest.mark.parametrize("component, weights", [("transformer", "diffusion_pytorch_model.bin"),
-                                                ("text_encoder", "pytorch_model-00001-of-00002.bin")])
-def test_folder_of_pytorch_pickles_exits_naming_the_file(tmp_path, capsys, component, weights):
+def test_folder_of_pytorch_pickles_exits_naming_the_file(tmp_path, capsys):
     """A component folder holding only PyTorch pickles: one line saying that pickles are not read, naming the file,
     before any of them is opened."""
-    folder = tmp_path / "krea2"
+    folder, component, weights = tmp_path / "krea2", "transformer", "diffusion_pytorch_model.bin"
     shutil.copytree(FIXTURES / "krea2" / "tiny_pipeline", folder)
-    for file in (folder / component).glob("*.safetensors"):
-        file.rename(folder / component / weights)
+    (folder / component / "diffusion_pytorch_model.safetensors").rename(folder / component / weights)
     code, captured = run(["--model", str(folder), "--prompt", "x", "--output", str(tmp_path / "o.png")], capsys)
     assert code == 2 and captured.err.strip().count("\n") == 0, captured.err
     assert f"{folder / component / weights}: a PyTorch pickle; mxdit reads safetensors only" in captured.err
@@ -125,6 +122,12 @@ def test_pytorch_pickles_are_refused_by_name_wherever_weights_are_read(tmp_path)
     pickle.write_bytes(b"\x80\x02not read")
     with pytest.raises(CheckpointError, match=r"model\.pt: a PyTorch pickle; mxdit reads safetensors only"):
         open_checkpoint(pickle, "diffusion_pytorch_model")  # a single file given directly
+    sharded = tmp_path / "text_encoder"  # transformers' sharded pickles
+    sharded.mkdir()
+    for name in ("pytorch_model.bin.index.json", "pytorch_model-00002-of-00002.bin", "pytorch_model-00001-of-00002.bin"):
+        (sharded / name).write_bytes(b"{}")
+    with pytest.raises(CheckpointError, match=r"text_encoder/pytorch_model-00001-of-00002\.bin: a PyTorch pickle"):
+        open_checkpoint(sharded, "model")
     peft = tmp_path / "peft"
     peft.mkdir()
     (peft / "adapter_model.bin").write_bytes(b"\x80\x02not read")
