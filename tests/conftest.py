@@ -8,8 +8,8 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-from not_run_summary import (pytest_deselected, pytest_sessionfinish,  # noqa: F401 (hooks: the summary's note)
-                             pytest_terminal_summary, pytest_testnodedown)
+from not_run_summary import pytest_deselected, pytest_sessionfinish, pytest_testnodedown  # noqa: F401 (hooks)
+from not_run_summary import pytest_terminal_summary as write_not_run_note
 
 FIXTURES = Path(__file__).parent / "fixtures"
 
@@ -53,8 +53,10 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
-def pytest_terminal_summary(terminalreporter):
-    """What the GPU tier measured: each test's recorded errors (`record_property`), one line a test."""
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    """The tests left out by marker, and what the GPU tier measured: each test's recorded errors
+    (`record_property`), one line a test."""
+    write_not_run_note(terminalreporter, exitstatus, config)
     reports = [r for key in ("passed", "failed") for r in terminalreporter.stats.get(key, [])
                if r.when == "call" and "gpu" in r.keywords and r.user_properties]
     if not reports:
