@@ -276,14 +276,16 @@ DIFFUSERS_METADATA_KEY = "lora_adapter_metadata"  # diffusers' loaders/lora_base
 def diffusers_metadata(model: nnx.Module) -> str:
     """The adapters' ranks and alphas as diffusers' `save_lora_weights` writes them in the safetensors metadata
     `lora_adapter_metadata` (PEFT LoraConfig fields prefixed `transformer.`), which `load_lora_weights` reads: the
-    most common rank and alpha, others in rank_pattern / alpha_pattern. Without it diffusers takes alpha = rank."""
+    most common rank and alpha, others in rank_pattern / alpha_pattern. Without it diffusers takes alpha = rank.
+    PEFT matches a pattern against the end of a module path, after any prefix ending in a dot, so each is anchored
+    with `^` (as diffusers anchors its own): else FLUX's `proj_out` matches `single_transformer_blocks.N.proj_out`."""
     ranks = {name: int(a.A.shape[0]) for name, a in adapters(model)}
     alphas = {name: float(a.scale) * ranks[name] for name, a in adapters(model)}
     rank = max(set(ranks.values()), key=list(ranks.values()).count)
     alpha = max(set(alphas.values()), key=list(alphas.values()).count)
     config = {"r": rank, "lora_alpha": alpha, "target_modules": sorted(ranks),
-              "rank_pattern": {re.escape(n): r for n, r in ranks.items() if r != rank},
-              "alpha_pattern": {re.escape(n): a for n, a in alphas.items() if a != alpha}}
+              "rank_pattern": {"^" + re.escape(n): r for n, r in ranks.items() if r != rank},
+              "alpha_pattern": {"^" + re.escape(n): a for n, a in alphas.items() if a != alpha}}
     return json.dumps({f"transformer.{k}": v for k, v in config.items()}, sort_keys=True)
 
 
