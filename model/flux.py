@@ -78,6 +78,13 @@ class RMSNorm(nnx.Module):
         return (y * self.weight[...].astype(jnp.float32)).astype(x.dtype)
 
 
+def _rounded(x: jax.Array, dtype) -> jax.Array:
+    """float32 `x` rounded to `dtype`'s precision. A cast to bfloat16 and back is not enough inside jit: XLA may keep
+    the float32 value (excess precision), and then bfloat16 FLUX sees another timestep than diffusers'."""
+    info = jnp.finfo(dtype)
+    return jax.lax.reduce_precision(jnp.asarray(x, jnp.float32), exponent_bits=info.nexp, mantissa_bits=info.nmant)
+
+
 def timestep_sinusoids(t: jax.Array, dim: int = 256, max_period: float = 10000.0) -> jax.Array:
     """diffusers' `Timesteps(dim, flip_sin_to_cos=True, downscale_freq_shift=0)`: [cos, sin] of t * freqs, float32."""
     half = dim // 2
@@ -364,9 +371,10 @@ class FluxTransformer(nnx.Module):
             raise ValueError("this FLUX transformer embeds guidance (FLUX.1-dev): pass guidance=")
         x = self.x_embedder(jnp.asarray(hidden_states, self.dtype))
         pooled = jnp.asarray(pooled_projections, self.dtype)
-        timestep = jnp.asarray(timestep).astype(self.dtype) * 1000  # in the model dtype, as diffusers rounds it
+        # 1000 * t in the model dtype, rounded before and after the product, as diffusers (and the release) computes it
+        timestep = _rounded(_rounded(timestep, self.dtype) * 1000, self.dtype)
         if guidance is not None:
-            guidance = jnp.asarray(guidance).astype(self.dtype) * 1000
+            guidance = _rounded(_rounded(guidance, self.dtype) * 1000, self.dtype)
         temb = self.time_text_embed(timestep, guidance, pooled)
         context = self.context_embedder(jnp.asarray(encoder_hidden_states, self.dtype))
         rotary = rotary_tables(jnp.concatenate([txt_ids, img_ids], axis=0), self.config.axes_dims_rope, 10000.0)

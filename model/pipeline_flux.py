@@ -140,7 +140,10 @@ class FluxPipeline:
         guidance = jnp.float32(guidance_scale) if self.is_dev else None
 
         t0 = time.perf_counter()
-        times = np.asarray(timesteps, np.float32) / np.float32(NUM_TRAIN_TIMESTEPS)
+        # As diffusers' pipeline: the timestep in the transformer's dtype, divided there by 1000 (rounded on the host)
+        dtype = self.transformer.dtype
+        times = np.asarray(timesteps, np.float32).astype(dtype) / np.asarray(NUM_TRAIN_TIMESTEPS, dtype)
+        times = times.astype(np.float32)
         if callback is None and self.denoise_step_fn is None:
             # nothing to report between steps: the whole loop is one program (as Krea 2's)
             latents = denoise_loop(self.transformer, latents, embeds, pooled, img_ids, txt_ids, jnp.asarray(times),

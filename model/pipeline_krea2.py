@@ -210,7 +210,9 @@ class Krea2Pipeline:
         ids = jnp.asarray(np.concatenate([np.zeros((embeds.shape[1], 3), np.float32), image_position_ids(grid_h, grid_w)]))
 
         t0 = time.perf_counter()
-        times = np.asarray(timesteps, np.float32) / np.float32(NUM_TRAIN_TIMESTEPS)
+        # As diffusers' pipeline: t / 1000 rounded to the transformer's dtype (on the host, where XLA cannot skip it)
+        times = (np.asarray(timesteps, np.float32) / np.float32(NUM_TRAIN_TIMESTEPS)).astype(self.transformer.dtype)
+        times = times.astype(np.float32)
         if callback is None and self.denoise_step_fn is None:
             # Nothing to report between steps: the whole loop is one program (no dispatch or host work per step).
             latents = denoise_loop(self.transformer, latents, embeds, mask, ids, jnp.asarray(times),
