@@ -22,6 +22,8 @@ from mxdit.model.tokenizer import TextTokenizer
 FLUX = FIXTURES / "flux"
 PIPELINE = FLUX / "tiny_pipeline"
 PROMPTS = ["a red fox in the snow, photo", "an old house near the river at night"]
+# The transformer's float32 parity with diffusers (measured 7.8e-6, see below), and the pipelines' through it
+FLUX_FLOAT32 = 3e-5
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +49,9 @@ def run(model, r):
 def test_transformer_matches_diffusers(tiny, reference):
     out = run(tiny, reference)
     assert out.shape == (2, 15, 16)  # batch 2, non-square 3x5 grid
-    assert relative_l2(out, reference["output"]) <= 1e-4
+    # measured: 7.8e-6, ~20x Krea 2's: the float32 sinusoids of 1000 * t and 1000 * guidance differ from torch's by
+    # an ulp of their frequencies times an argument of up to 3500
+    assert relative_l2(out, reference["output"]) <= FLUX_FLOAT32
 
 
 def test_original_single_file_layout_matches_diffusers(tiny, reference):
@@ -57,7 +61,7 @@ def test_original_single_file_layout_matches_diffusers(tiny, reference):
     a, b = dict(iter_params(tiny)), dict(iter_params(model))
     for key in a:
         np.testing.assert_array_equal(np.asarray(a[key]), np.asarray(b[key]), err_msg=key)
-    assert relative_l2(run(model, reference), reference["output"]) <= 1e-4
+    assert relative_l2(run(model, reference), reference["output"]) <= FLUX_FLOAT32
 
 
 def test_original_layout_with_an_unknown_tensor_reports_it(tmp_path):
@@ -87,7 +91,7 @@ def test_t5_encoder_and_tokenizer_match_transformers(pipeline_reference):
     ids, _ = tokenizer(PROMPTS, max_length=16)
     np.testing.assert_array_equal(ids, pipeline_reference["t5_ids"])  # end token kept, padded with <pad>
     encoder = T5Encoder.from_pretrained(PIPELINE / "text_encoder_2", jnp.float32)
-    assert relative_l2(encoder(jnp.asarray(ids)), pipeline_reference["prompt_embeds"]) <= 1e-4
+    assert relative_l2(encoder(jnp.asarray(ids)), pipeline_reference["prompt_embeds"]) <= 3e-6
 
 
 def test_t5_position_buckets_follow_the_log_rule():
@@ -104,8 +108,8 @@ def test_clip_encoder_and_pooled_output_match_transformers(pipeline_reference):
     np.testing.assert_array_equal(ids, pipeline_reference["clip_ids"])  # start/end tokens kept through truncation
     encoder = CLIPTextEncoder.from_pretrained(PIPELINE / "text_encoder", jnp.float32)
     hidden, pooled = encoder(jnp.asarray(ids))
-    assert relative_l2(hidden, pipeline_reference["clip_last_hidden"]) <= 1e-4
-    assert relative_l2(pooled, pipeline_reference["pooled_prompt_embeds"]) <= 1e-4
+    assert relative_l2(hidden, pipeline_reference["clip_last_hidden"]) <= 2e-6
+    assert relative_l2(pooled, pipeline_reference["pooled_prompt_embeds"]) <= 2e-6
 
 
 @pytest.fixture(scope="module")
@@ -115,22 +119,22 @@ def pipe():
 
 def test_pipeline_prompt_embeddings_match_diffusers(pipe, pipeline_reference):
     embeds, pooled = pipe.encode_prompt(PROMPTS, max_sequence_length=16)
-    assert relative_l2(embeds, pipeline_reference["prompt_embeds"]) <= 1e-4
-    assert relative_l2(pooled, pipeline_reference["pooled_prompt_embeds"]) <= 1e-4
+    assert relative_l2(embeds, pipeline_reference["prompt_embeds"]) <= 3e-6
+    assert relative_l2(pooled, pipeline_reference["pooled_prompt_embeds"]) <= 2e-6
 
 
 def test_dev_pipeline_matches_diffusers_after_all_steps(pipe, pipeline_reference):
     out = pipe(PROMPTS, height=64, width=48, num_inference_steps=4, guidance_scale=3.5, output_type="np",
                latents=pipeline_reference["latents_in"], max_sequence_length=16)
-    assert relative_l2(out.latents, pipeline_reference["dev_latents_out"]) <= 1e-3
+    assert relative_l2(out.latents, pipeline_reference["dev_latents_out"]) <= FLUX_FLOAT32
     assert out.images.shape == (2, 64, 48, 3)
-    assert relative_l2(out.images, pipeline_reference["dev_images"]) <= 1e-3
+    assert relative_l2(out.images, pipeline_reference["dev_images"]) <= FLUX_FLOAT32
 
 
 def test_true_cfg_with_a_negative_prompt_matches_diffusers(pipe, pipeline_reference):
     out = pipe(PROMPTS, "blurry", true_cfg_scale=2.0, height=64, width=48, num_inference_steps=3, guidance_scale=3.5,
                latents=pipeline_reference["latents_in"], max_sequence_length=16, output_type="latent")
-    assert relative_l2(out.latents, pipeline_reference["true_cfg_latents_out"]) <= 1e-3
+    assert relative_l2(out.latents, pipeline_reference["true_cfg_latents_out"]) <= FLUX_FLOAT32
 
 
 @pytest.mark.parametrize("negative", [None, "blurry"])
@@ -185,7 +189,7 @@ def test_stacked_projections_give_the_same_output(tiny, reference, precision):
     out, expected = np.asarray(run(stacked, reference)), np.asarray(run(separate, reference))
     np.testing.assert_allclose(out, expected, rtol=0, atol=1e-5 * np.abs(expected).max())
     if precision is None:
-        assert relative_l2(out, reference["output"]) <= 1e-4
+        assert relative_l2(out, reference["output"]) <= FLUX_FLOAT32
     else:  # stacking first, then quantizing: the same weights (the rules name the unstacked projections)
         after = nnx.clone(tiny)
         stack_projections(after)

@@ -58,19 +58,19 @@ def updates_equal(a, b):
 def test_each_layout_matches_diffusers_at_run_time(clean, reference, layout, weight):
     changed = apply_loras(clean, [(LORA / f"{layout}.safetensors", weight)])
     assert len(changed) == 53  # 2 joint + 4 text-fusion blocks x 8, and the 5 projections
-    assert relative_l2(forward(clean, reference), reference[f"output_lora_{weight}"]) <= 1e-4
+    assert relative_l2(forward(clean, reference), reference[f"output_lora_{weight}"]) <= 2e-6
 
 
 def test_fused_matches_diffusers_and_several_loras_add_up(reference):
     fused = Krea2Transformer.from_pretrained(TRANSFORMER, dtype=jnp.float32)
     apply_loras(fused, [(LORA / "kohya.safetensors", 0.25), (LORA / "comfyui.safetensors", 0.25)], fuse=True)
     assert not list(adapters(fused))
-    assert relative_l2(forward(fused, reference), reference["output_lora_0.5"]) <= 1e-4
+    assert relative_l2(forward(fused, reference), reference["output_lora_0.5"]) <= 2e-6
     # the same two at run time: one adapter per layer, the ranks stacked
     runtime = Krea2Transformer.from_pretrained(TRANSFORMER, dtype=jnp.float32)
     apply_loras(runtime, [(LORA / "diffusers.safetensors", 0.25), (LORA / "kohya.safetensors", 0.75)])
     assert runtime.transformer_blocks[0].attn.to_q.lora.A.shape == (8, 64)  # rank 4 + 4
-    assert relative_l2(forward(runtime, reference), reference["output_lora_1.0"]) <= 1e-4
+    assert relative_l2(forward(runtime, reference), reference["output_lora_1.0"]) <= 2e-6
     with pytest.raises(ValueError, match="already has LoRA adapters"):
         apply_loras(runtime, [(LORA / "diffusers.safetensors", 1.0)])
 
@@ -174,7 +174,7 @@ def test_exported_lora_gives_diffusers_the_same_output(reference, layout, tmp_pa
     ours = forward(exported, reference)
     diffusers_out = np.load(LORA / "export_reference.npz")[f"output_{layout}"]
     assert relative_l2(diffusers_out, reference["output_base"]) > 0.1  # the LoRA matters
-    assert relative_l2(ours, diffusers_out) <= 1e-4
+    assert relative_l2(ours, diffusers_out) <= 2e-6
     # the committed file is what the exporter writes today
     path = tmp_path / f"{layout}.safetensors"
     export_lora(exported, path, layout)
@@ -185,7 +185,7 @@ def test_exported_lora_gives_diffusers_the_same_output(reference, layout, tmp_pa
     # and it reads back into mxdit as the same function
     fresh = Krea2Transformer.from_pretrained(TRANSFORMER, dtype=jnp.float32)
     apply_loras(fresh, [(path, 1.0)])
-    assert relative_l2(forward(fresh, reference), ours) <= 1e-5
+    assert relative_l2(forward(fresh, reference), ours) <= 1e-6
 
 
 
@@ -259,7 +259,7 @@ def flux_forward(model, ref):
 def test_flux_diffusers_layout_matches_diffusers(flux_reference, fuse):
     model = FluxTransformer.from_pretrained(FIXTURES / "flux" / "tiny_pipeline" / "transformer", dtype=jnp.float32)
     assert len(apply_loras(model, [(FLUX_LORA / "diffusers.safetensors", 1.0)], fuse=fuse)) == 37
-    assert relative_l2(flux_forward(model, flux_reference), flux_reference["output_diffusers"]) <= 1e-4
+    assert relative_l2(flux_forward(model, flux_reference), flux_reference["output_diffusers"]) <= 3e-5
 
 
 def test_flux_kohya_fused_qkv_matches_diffusers(flux, flux_reference):
@@ -273,7 +273,7 @@ def test_flux_kohya_fused_qkv_matches_diffusers(flux, flux_reference):
     without = dataclasses.replace(file, updates={k: v for k, v in file.updates.items() if k != "norm_out.linear"})
     apply_loras(flux, [(without, 1.0)])
     try:
-        assert relative_l2(flux_forward(flux, flux_reference), flux_reference["output_kohya"]) <= 1e-4
+        assert relative_l2(flux_forward(flux, flux_reference), flux_reference["output_kohya"]) <= 3e-5
     finally:
         remove_lora(flux)
 
