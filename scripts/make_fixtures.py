@@ -154,7 +154,12 @@ def write_krea2_transformer(out: Path) -> None:
     with torch.no_grad():
         out_masked = model(hidden, text, timestep, position_ids, encoder_attention_mask=mask, return_dict=False)[0]
         out_unmasked = model(hidden, text, timestep, position_ids, return_dict=False)[0]
-    np.savez(
+    # bfloat16 as users load it, the inputs as the pipeline passes them (in bfloat16, the timestep too)
+    model_bf16 = Krea2Transformer2DModel.from_pretrained(out / "tiny", dtype=torch.bfloat16).eval()
+    with torch.no_grad():
+        out_bf16 = model_bf16(hidden.bfloat16(), text.bfloat16(), timestep.bfloat16(), position_ids,
+                              encoder_attention_mask=mask, return_dict=False)[0]
+    np.savez_compressed(
         out / "reference.npz",
         hidden_states=hidden.numpy(),
         encoder_hidden_states=text.numpy(),
@@ -163,6 +168,7 @@ def write_krea2_transformer(out: Path) -> None:
         encoder_attention_mask=mask.numpy(),
         output_masked=out_masked.numpy(),
         output_unmasked=out_unmasked.numpy(),
+        output_masked_bf16=out_bf16.float().numpy(),
     )
     print(f"wrote Krea 2 transformer fixtures to {out}")
 
@@ -205,6 +211,7 @@ def write_scheduler(out: Path) -> None:
 # Tiny VAEs with the released structure (four levels, 8x downsampling, two residual blocks a level) at small widths.
 QWENIMAGE_VAE_TINY_CONFIG = dict(base_dim=2, z_dim=16, dim_mult=[1, 2, 4, 4], num_res_blocks=2,
                                  temperal_downsample=[False, True, True])
+QWENIMAGE_VAE_OUTPUT_SCALE = 0.25
 FLUX_VAE_TINY_CONFIG = dict(
     in_channels=3, out_channels=3, latent_channels=16, layers_per_block=2, norm_num_groups=2,
     block_out_channels=[4, 4, 8, 8], down_block_types=["DownEncoderBlock2D"] * 4,
@@ -297,6 +304,11 @@ def write_vaes(out: Path) -> None:
             for name, param in model.named_parameters():
                 if name.endswith(("gamma", "norm1.weight", "norm2.weight", "norm.weight", "norm_out.weight")):
                     param.add_(1.0)
+    # The Qwen decoder's output layer scaled down, so that its images lie mostly inside (-1, 1) where its decode does
+    # not clamp them (at the common scale most pixels are at +-1, where an error would not show).
+    with torch.no_grad():
+        qwen.decoder.conv_out.weight.mul_(QWENIMAGE_VAE_OUTPUT_SCALE)
+        qwen.decoder.conv_out.bias.mul_(QWENIMAGE_VAE_OUTPUT_SCALE)
     for name, model in (("qwenimage_vae", qwen), ("flux_vae", flux)):
         shutil.rmtree(out / name, ignore_errors=True)
         model.save_pretrained(out / name)
@@ -332,8 +344,18 @@ def write_vaes(out: Path) -> None:
         flux.enable_tiling()  # its tile is config.sample_size (64 pixels here) with 25% overlap
         arrays["flux_decode_big_tiled"] = flux.decode(big_latent).sample.numpy()
         arrays["flux_encode_big_tiled"] = flux.tiled_encode(big_image).latent_dist.mean.numpy()
-    np.savez(out / "vae_reference.npz", **arrays)
-    print(f"wrote VAE fixtures to {out}")
+    # bfloat16, as the pipelines load the VAEs (`dtype=torch.bfloat16`), on the same inputs
+    for name, cls, folder in (("qwen", AutoencoderKLQwenImage, "qwenimage_vae"), ("flux", AutoencoderKL, "flux_vae")):
+        model = cls.from_pretrained(out / folder, dtype=torch.bfloat16).eval()
+        frames = (lambda x: x[:, :, None], lambda x: x[:, :, 0]) if name == "qwen" else (lambda x: x, lambda x: x)
+        with torch.no_grad():
+            mean = model.encode(frames[0](image.to(torch.bfloat16))).latent_dist.mean
+            decoded = model.decode(frames[0](latent.to(torch.bfloat16))).sample
+        arrays[f"{name}_encode_mean_bf16"] = frames[1](mean).float().numpy()
+        arrays[f"{name}_decode_bf16"] = frames[1](decoded).float().numpy()
+    np.savez_compressed(out / "vae_reference.npz", **arrays)
+    clamped = np.mean(np.abs(arrays["qwen_decode"]) >= 1)
+    print(f"wrote VAE fixtures to {out} (Qwen decode: {clamped:.1%} of the values clamped at +-1)")
 
 
 QWEN3VL_TEXT_TINY = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
@@ -418,7 +440,18 @@ def write_krea2_pipeline(out: Path) -> None:
                            num_images_per_prompt=2, latents=latents.clone(), max_sequence_length=max_len,
                            output_type="latent")
         arrays.update(turbo_latents_in=latents.numpy(), turbo_latents_out=turbo.images.numpy())
-    np.savez(out / "pipeline_reference.npz", **arrays)
+    # bfloat16, as users load the pipeline: the Base run above (its latents are cast to bfloat16 by the pipeline)
+    pipe_bf16 = Krea2Pipeline.from_pretrained(folder, dtype=torch.bfloat16)
+    with torch.no_grad():
+        embeds, _ = pipe_bf16.get_text_hidden_states(PROMPTS, max_sequence_length=max_len, device="cpu")
+        kwargs = dict(prompt=PROMPTS, negative_prompt="blurry", height=height, width=width, num_inference_steps=4,
+                      guidance_scale=4.5, max_sequence_length=max_len)
+        latents = torch.from_numpy(arrays["base_latents_in"])
+        base = pipe_bf16(latents=latents.clone(), output_type="latent", **kwargs)
+        images = pipe_bf16(latents=latents.clone(), output_type="np", **kwargs)
+    arrays.update(prompt_embeds_bf16=embeds.float().numpy(), base_latents_out_bf16=base.images.float().numpy(),
+                  base_images_bf16=images.images)
+    np.savez_compressed(out / "pipeline_reference.npz", **arrays)
     print(f"wrote Krea 2 pipeline fixtures to {folder} (last hidden state normed: {last_is_normed})")
 
 
@@ -643,9 +676,15 @@ def write_flux_transformer(out: Path) -> None:
     txt_ids = torch.zeros(text_len, 3)
     with torch.no_grad():
         output = model(hidden, text, pooled, timestep, img_ids, txt_ids, guidance, return_dict=False)[0]
-    np.savez(out / "reference.npz", hidden_states=hidden.numpy(), encoder_hidden_states=text.numpy(),
-             pooled_projections=pooled.numpy(), timestep=timestep.numpy(), guidance=guidance.numpy(),
-             img_ids=img_ids.numpy(), txt_ids=txt_ids.numpy(), output=output.numpy())
+    # bfloat16 as users load it, the inputs as the pipeline passes them (in bfloat16 but the guidance scale)
+    model_bf16 = FluxTransformer2DModel.from_pretrained(out / "tiny", dtype=torch.bfloat16).eval()
+    with torch.no_grad():
+        output_bf16 = model_bf16(hidden.bfloat16(), text.bfloat16(), pooled.bfloat16(), timestep.bfloat16(), img_ids,
+                                 txt_ids, guidance, return_dict=False)[0]
+    np.savez_compressed(out / "reference.npz", hidden_states=hidden.numpy(), encoder_hidden_states=text.numpy(),
+                        pooled_projections=pooled.numpy(), timestep=timestep.numpy(), guidance=guidance.numpy(),
+                        img_ids=img_ids.numpy(), txt_ids=txt_ids.numpy(), output=output.numpy(),
+                        output_bf16=output_bf16.float().numpy())
     print(f"wrote FLUX transformer fixtures to {out}")
 
 
@@ -731,7 +770,19 @@ def write_flux_pipeline(out: Path) -> None:
                         output_type="latent")
         arrays.update(latents_in=latents.numpy(), dev_latents_out=dev.images.numpy(), dev_images=images.images,
                       true_cfg_latents_out=true_cfg.images.numpy())
-    np.savez(out / "pipeline_reference.npz", **arrays)
+    # bfloat16, as users load the pipeline: the text encoders and the dev run above (its latents are cast to bfloat16
+    # by the pipeline). All of T5 is bfloat16 then: transformers keeps its `wo` layers in float32 for float16 only.
+    pipe_bf16 = FluxPipeline.from_pretrained(folder, dtype=torch.bfloat16)
+    assert pipe_bf16.text_encoder_2.encoder.block[0].layer[1].DenseReluDense.wo.weight.dtype == torch.bfloat16
+    with torch.no_grad():
+        embeds, pooled, _ = pipe_bf16.encode_prompt(PROMPTS, prompt_2=None, max_sequence_length=max_len, device="cpu")
+        kwargs = dict(prompt=PROMPTS, height=height, width=width, num_inference_steps=4, guidance_scale=3.5,
+                      max_sequence_length=max_len)
+        dev = pipe_bf16(latents=latents.clone(), output_type="latent", **kwargs)
+        images = pipe_bf16(latents=latents.clone(), output_type="np", **kwargs)
+    arrays.update(prompt_embeds_bf16=embeds.float().numpy(), pooled_prompt_embeds_bf16=pooled.float().numpy(),
+                  dev_latents_out_bf16=dev.images.float().numpy(), dev_images_bf16=images.images)
+    np.savez_compressed(out / "pipeline_reference.npz", **arrays)
     print(f"wrote FLUX pipeline fixtures to {folder}")
 
 

@@ -1,5 +1,5 @@
 """FLUX.1: transformer, T5 and CLIP text encoders and pipeline; parity with diffusers/transformers on tiny random
-fixtures (float32)."""
+fixtures (float32, and bfloat16 as users run them)."""
 
 import json
 import shutil
@@ -52,6 +52,15 @@ def test_transformer_matches_diffusers(tiny, reference):
     # measured: 7.8e-6, ~20x Krea 2's: the float32 sinusoids of 1000 * t and 1000 * guidance differ from torch's by
     # an ulp of their frequencies times an argument of up to 3500
     assert relative_l2(out, reference["output"]) <= FLUX_FLOAT32
+
+
+def test_bfloat16_transformer_matches_diffusers_in_bfloat16(reference):
+    """In bfloat16 the model rounds 1000 * t and the guidance scale to bfloat16 as diffusers does (inside jit too);
+    with this tiny model's random time embedding that alone moves the output by ~50%."""
+    model = FluxTransformer.from_pretrained(FLUX / "tiny", jnp.bfloat16)
+    out = jax.jit(lambda r: run(model, r))(reference)
+    assert out.dtype == jnp.bfloat16
+    assert relative_l2(out, reference["output_bf16"]) <= 3e-2
 
 
 def test_original_single_file_layout_matches_diffusers(tiny, reference):
@@ -147,6 +156,27 @@ def test_steps_as_one_program_equal_the_steps_one_by_one(pipe, pipeline_referenc
     stepped = pipe(PROMPTS, negative, callback=lambda i, t, latents: seen.append(i), **kwargs).latents
     assert seen == [0, 1, 2]
     np.testing.assert_allclose(loop, stepped, rtol=0, atol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def pipe_bf16():
+    return FluxPipeline.from_pretrained(PIPELINE, jnp.bfloat16)
+
+
+def test_bfloat16_text_encoders_match_transformers_in_bfloat16(pipe_bf16, pipeline_reference):
+    embeds, pooled = pipe_bf16.encode_prompt(PROMPTS, max_sequence_length=16)
+    assert embeds.dtype == pooled.dtype == jnp.bfloat16
+    assert relative_l2(embeds, pipeline_reference["prompt_embeds_bf16"]) <= 3e-2
+    assert relative_l2(pooled, pipeline_reference["pooled_prompt_embeds_bf16"]) <= 2e-2
+
+
+def test_bfloat16_dev_pipeline_matches_diffusers_in_bfloat16(pipe_bf16, pipeline_reference):
+    # diffusers casts the given latents to the pipeline's dtype first: ours start from the same bfloat16 values
+    latents = pipeline_reference["latents_in"].astype(jnp.bfloat16).astype(np.float32)
+    out = pipe_bf16(PROMPTS, height=64, width=48, num_inference_steps=4, guidance_scale=3.5, output_type="np",
+                    latents=latents, max_sequence_length=16)
+    assert relative_l2(out.latents, pipeline_reference["dev_latents_out_bf16"]) <= 3e-2
+    assert relative_l2(out.images, pipeline_reference["dev_images_bf16"]) <= 3e-2
 
 
 def test_schnell_schedule_has_no_dynamic_shift():

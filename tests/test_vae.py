@@ -1,4 +1,5 @@
-"""The Qwen-Image (Krea 2) and FLUX VAEs: parity with diffusers on tiny random fixtures (float32), tiling, images."""
+"""The Qwen-Image (Krea 2) and FLUX VAEs: parity with diffusers on tiny random fixtures (float32, and bfloat16 as the
+pipelines run them), tiling, images."""
 
 import shutil
 
@@ -53,6 +54,29 @@ def test_decode_matches_diffusers_on_an_odd_latent_grid(case, reference):
     assert relative_l2(images, nhwc(reference[f"{name}_decode"])) <= 5e-6
 
 
+def test_qwen_fixture_decodes_mostly_inside_the_clamp(reference):
+    # The Qwen decode clamps to [-1, 1] (diffusers' too): a fixture whose pixels sat at +-1 would hide errors there.
+    assert np.mean(np.abs(reference["qwen_decode"]) >= 1) < 0.1
+
+
+# (encode, decode) relative L2 bounds in bfloat16, ~2x the measured (Qwen 6.1e-2 and 1.9e-2, FLUX 1.1e-2 and 1.2e-2):
+# bfloat16 rounding noise, each about as far from the float32 reference as diffusers' bfloat16 is.
+BFLOAT16_BOUNDS = {"qwen": (0.12, 4e-2), "flux": (3e-2, 3e-2)}
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_bfloat16_encode_and_decode_match_diffusers_in_bfloat16(reference, name):
+    """Both VAEs loaded in bfloat16 (the pipelines' default) against diffusers' in bfloat16 on the same inputs."""
+    cls, folder, _, _ = MODELS[name]
+    vae = cls.from_pretrained(folder, dtype=jnp.bfloat16)
+    mean = vae.encode(nhwc(reference["image"]))
+    images = vae.decode(nhwc(reference["latent"]))
+    assert mean.dtype == images.dtype == jnp.bfloat16
+    encode_bound, decode_bound = BFLOAT16_BOUNDS[name]
+    assert relative_l2(mean, nhwc(reference[f"{name}_encode_mean_bf16"])) <= encode_bound
+    assert relative_l2(images, nhwc(reference[f"{name}_decode_bf16"])) <= decode_bound
+
+
 def test_tiled_decode_and_encode_match_diffusers_tiling(case, reference):
     name, vae, tiling = case
     decoded = vae.decode(nhwc(reference["big_latent"]), tiled=True, **tiling)  # 96x112 pixels: 2x3 tiles of 64
@@ -80,7 +104,7 @@ def _spatially_local(vae):
 
 def test_tiled_decode_equals_untiled_on_a_spatially_local_vae(reference):
     # With random full kernels the two legitimately differ (every tile sees a different context; the relative L2
-    # is ~0.65 on the tiny Qwen model with 64-pixel tiles), so the bookkeeping of tiles, crops and blend weights is
+    # is ~0.24 on the tiny Qwen model with the tiling above), so the bookkeeping of tiles, crops and blend weights is
     # checked where the exact answer is known: a VAE with no spatial context. Only the Qwen VAE can be made so: its
     # norms are per pixel, while the FLUX VAE's GroupNorm takes statistics over each tile. Both share `tiled_apply`,
     # and the FLUX tile sizes are checked against diffusers' tiling above.
