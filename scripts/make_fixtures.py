@@ -786,6 +786,51 @@ def write_flux_pipeline(out: Path) -> None:
     print(f"wrote FLUX pipeline fixtures to {folder}")
 
 
+# FLUX.1-schnell's scheduler_config.json: no dynamic shifting, static shift 1 (the plain linear sigmas).
+FLUX_SCHNELL_SCHEDULER = dict(shift=1.0, use_dynamic_shifting=False, base_shift=0.5, max_shift=1.15,
+                              base_image_seq_len=256, max_image_seq_len=4096)
+# What differs from the tiny FLUX.1-dev pipeline; its other components (text encoders, tokenizers, VAE) are shared.
+FLUX_SCHNELL_PARTS = ("transformer", "scheduler", "model_index.json")
+
+
+def write_flux_schnell(out: Path) -> None:
+    """FLUX.1-schnell end to end on the tiny FLUX pipeline's text encoders and VAE: a transformer without the guidance
+    embedding (one block of each kind), schnell's scheduler, and diffusers' latents and images at schnell's settings
+    (4 steps, T5 length 256). tiny_schnell/ keeps only FLUX_SCHNELL_PARTS; the tests complete it from tiny_pipeline/."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
+
+    folder = out / "tiny_schnell"
+    shutil.rmtree(folder, ignore_errors=True)
+    generator = torch.Generator().manual_seed(14)
+    dev = FluxPipeline.from_pretrained(out / "tiny_pipeline", dtype=torch.float32)
+    transformer = FluxTransformer2DModel(**dict(FLUX_TINY_CONFIG, in_channels=64, joint_attention_dim=24,
+                                                pooled_projection_dim=32, guidance_embeds=False, num_layers=1,
+                                                num_single_layers=1)).eval()
+    _randomize(transformer, generator)
+    with torch.no_grad():
+        for name, param in transformer.named_parameters():
+            if name.endswith(("norm_q.weight", "norm_k.weight", "norm_added_q.weight", "norm_added_k.weight")):
+                param.add_(1.0)
+    pipe = FluxPipeline(scheduler=FlowMatchEulerDiscreteScheduler(**FLUX_SCHNELL_SCHEDULER), vae=dev.vae,
+                        text_encoder=dev.text_encoder, tokenizer=dev.tokenizer, text_encoder_2=dev.text_encoder_2,
+                        tokenizer_2=dev.tokenizer_2, transformer=transformer)
+    pipe.save_pretrained(folder)
+    for path in folder.iterdir():
+        if path.name not in FLUX_SCHNELL_PARTS:
+            shutil.rmtree(path)
+
+    height, width = 64, 48
+    latents = torch.randn(2, (height // 16) * (width // 16), 64, generator=generator)
+    kwargs = dict(prompt=PROMPTS, height=height, width=width, num_inference_steps=4, guidance_scale=0.0,
+                  max_sequence_length=256)
+    with torch.no_grad():
+        schnell = pipe(latents=latents.clone(), output_type="latent", **kwargs)
+        images = pipe(latents=latents.clone(), output_type="np", **kwargs)
+    np.savez_compressed(out / "schnell_reference.npz", latents_in=latents.numpy(), latents_out=schnell.images.numpy(),
+                        images=images.images)
+    print(f"wrote FLUX.1-schnell fixtures to {folder}")
+
+
 FLUX_LORA_TARGETS = ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out",
                      "ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj", "ff_context.net.2", "proj_mlp",
                      "single_transformer_blocks.0.proj_out", "single_transformer_blocks.1.proj_out", "norm1.linear",
@@ -1186,8 +1231,9 @@ def main() -> None:
         write(args.out / folder)
 
 
-# name -> (writer, folder under --out), in the order a full run writes them. lora reads krea2's tiny_pipeline;
-# lora_export reads lora's reference and mxdit's exported files (see write_lora_export), so it runs only when asked.
+# name -> (writer, folder under --out), in the order a full run writes them. lora reads krea2's tiny_pipeline, and
+# flux_schnell and flux_lora flux's; lora_export reads lora's reference and mxdit's exported files (see
+# write_lora_export), so it runs only when asked.
 GROUPS = {
     "krea2_transformer": (write_krea2_transformer, "krea2"),
     "scheduler": (write_scheduler, "scheduler"),
@@ -1195,6 +1241,7 @@ GROUPS = {
     "krea2_pipeline": (write_krea2_pipeline, "krea2"),
     "flux_transformer": (write_flux_transformer, "flux"),
     "flux_pipeline": (write_flux_pipeline, "flux"),
+    "flux_schnell": (write_flux_schnell, "flux"),
     "lora": (write_lora, "krea2"),
     "lora_export": (write_lora_export, "krea2"),
     "flux_lora": (write_flux_lora, "flux"),

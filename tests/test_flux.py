@@ -1,5 +1,5 @@
-"""FLUX.1: transformer, T5 and CLIP text encoders and pipeline; parity with diffusers/transformers on tiny random
-fixtures (float32, and bfloat16 as users run them)."""
+"""FLUX.1: transformer, T5 and CLIP text encoders and pipeline (dev and schnell); parity with diffusers/transformers on
+tiny random fixtures (float32, and bfloat16 as users run them)."""
 
 import json
 import shutil
@@ -21,6 +21,7 @@ from mxdit.model.tokenizer import TextTokenizer
 
 FLUX = FIXTURES / "flux"
 PIPELINE = FLUX / "tiny_pipeline"
+SCHNELL = FLUX / "tiny_schnell"  # only what differs from PIPELINE (scripts/make_fixtures.py, FLUX_SCHNELL_PARTS)
 PROMPTS = ["a red fox in the snow, photo", "an old house near the river at night"]
 # The transformer's float32 parity with diffusers (measured 7.8e-6, see below), and the pipelines' through it
 FLUX_FLOAT32 = 3e-5
@@ -177,6 +178,31 @@ def test_bfloat16_dev_pipeline_matches_diffusers_in_bfloat16(pipe_bf16, pipeline
                     latents=latents, max_sequence_length=16)
     assert relative_l2(out.latents, pipeline_reference["dev_latents_out_bf16"]) <= 3e-2
     assert relative_l2(out.images, pipeline_reference["dev_images_bf16"]) <= 3e-2
+
+
+@pytest.fixture(scope="module")
+def schnell_folder(tmp_path_factory):
+    """A FLUX.1-schnell folder: the tiny dev pipeline's text encoders, tokenizers and VAE with schnell's parts."""
+    folder = tmp_path_factory.mktemp("flux") / "schnell"
+    shutil.copytree(PIPELINE, folder)
+    for part in SCHNELL.iterdir():
+        if part.is_dir():
+            shutil.rmtree(folder / part.name)
+            shutil.copytree(part, folder / part.name)
+        else:
+            shutil.copy(part, folder / part.name)
+    return folder
+
+
+def test_schnell_pipeline_matches_diffusers_with_its_defaults(schnell_folder):
+    """No guidance embedding, schnell's scheduler (no dynamic shift), and its defaults, which diffusers' run was given:
+    4 steps and T5 length 256 (the text attends its padding, so another length gives other latents)."""
+    reference = np.load(FLUX / "schnell_reference.npz")
+    pipe = FluxPipeline.from_pretrained(schnell_folder, jnp.float32)
+    assert not pipe.is_dev and pipe.shift is None and pipe.static_shift == 1.0
+    out = pipe(PROMPTS, height=64, width=48, latents=reference["latents_in"], output_type="np")
+    assert relative_l2(out.latents, reference["latents_out"]) <= 5e-6
+    assert relative_l2(out.images, reference["images"]) <= 5e-6
 
 
 def test_schnell_schedule_has_no_dynamic_shift():
