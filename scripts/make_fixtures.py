@@ -13,7 +13,8 @@ The LoRA export check takes two steps, because the exporter is mxdit's (JAX) and
 `--only lora` writes the diffusers/kohya/ComfyUI LoRA files and reference outputs under tests/fixtures/krea2/lora/;
 then `.venv/bin/python scripts/export_lora_fixture.py` (mxdit's venv) exports an mxdit LoRA there in the diffusers
 and ComfyUI layouts; then `--only lora_export` loads those files with diffusers' `load_lora_weights` and saves its
-outputs (export_reference.npz).
+outputs (export_reference.npz). FLUX.1 the same way under tests/fixtures/flux/lora/: `--only flux_lora`, the same
+export script (diffusers layout), then `--only flux_lora_export`.
 
 Every parameter is random (norm scales and modulation tables included), so that a term that is silently wrong in our
 implementation cannot hide behind a zero or a one.
@@ -1219,21 +1220,48 @@ def write_tokenizers(out: Path) -> None:
     print(f"wrote tokenizer fixtures to {out} ({len(TOKENIZER_PROMPTS)} prompts; longest untruncated: {untruncated})")
 
 
+def write_flux_lora_export(out: Path) -> None:
+    """Step 2 of the FLUX.1 export check: load the LoRA that mxdit exported (tests/fixtures/flux/lora/
+    mxdit_diffusers.safetensors, written by `python scripts/export_lora_fixture.py`) into diffusers' FLUX pipeline and
+    save the transformer output on the inputs of `write_flux_lora`'s reference.npz. Every layer of the file must get
+    its adapter (diffusers' loader drops keys it cannot place with a warning only)."""
+    from diffusers import FluxPipeline
+    from safetensors import safe_open
+
+    folder = out / "lora"
+    reference = np.load(folder / "reference.npz")
+    names = ("hidden_states", "encoder_hidden_states", "pooled_projections", "timestep", "img_ids", "txt_ids",
+             "guidance")
+    inputs = {k: torch.from_numpy(reference[k]) for k in names}
+    pipe = FluxPipeline.from_pretrained(out / "tiny_pipeline", dtype=torch.float32)
+    path = folder / "mxdit_diffusers.safetensors"
+    pipe.load_lora_weights(path, adapter_name="mxdit")
+    with safe_open(str(path), "pt") as f:
+        in_file = {k.removeprefix("transformer.").removesuffix(".lora_A.weight") for k in f.keys() if ".lora_A." in k}
+    loaded = {n for n, m in pipe.transformer.named_modules() if "mxdit" in getattr(m, "lora_A", {})}
+    assert loaded == in_file, sorted(loaded ^ in_file)
+    with torch.no_grad():
+        output = pipe.transformer(**inputs, return_dict=False)[0].numpy()
+    np.savez(folder / "export_reference.npz", output_diffusers=output)
+    print(f"wrote diffusers' output with mxdit's exported FLUX LoRA to {folder / 'export_reference.npz'}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=FIXTURES)
     parser.add_argument("--only", choices=sorted(GROUPS), action="append",
-                        help="write only these fixture groups (repeatable; default: all but lora_export)")
+                        help=f"write only these fixture groups (repeatable; default: all but {', '.join(EXPORT_GROUPS)})")
     args = parser.parse_args()
     torch.manual_seed(0)
-    for name in args.only or [g for g in GROUPS if g != "lora_export"]:
+    for name in args.only or [g for g in GROUPS if g not in EXPORT_GROUPS]:
         write, folder = GROUPS[name]
         write(args.out / folder)
 
 
 # name -> (writer, folder under --out), in the order a full run writes them. lora reads krea2's tiny_pipeline, and
-# flux_schnell and flux_lora flux's; lora_export reads lora's reference and mxdit's exported files (see
-# write_lora_export), so it runs only when asked.
+# flux_schnell and flux_lora flux's; the export groups read mxdit's exported files (see write_lora_export), so they
+# run only when asked.
+EXPORT_GROUPS = ("lora_export", "flux_lora_export")
 GROUPS = {
     "krea2_transformer": (write_krea2_transformer, "krea2"),
     "scheduler": (write_scheduler, "scheduler"),
@@ -1241,12 +1269,13 @@ GROUPS = {
     "krea2_pipeline": (write_krea2_pipeline, "krea2"),
     "flux_transformer": (write_flux_transformer, "flux"),
     "flux_pipeline": (write_flux_pipeline, "flux"),
-    "flux_schnell": (write_flux_schnell, "flux"),
     "lora": (write_lora, "krea2"),
     "lora_export": (write_lora_export, "krea2"),
+    "flux_schnell": (write_flux_schnell, "flux"),
     "flux_lora": (write_flux_lora, "flux"),
     "key_coverage": (write_key_coverage, "."),
     "tokenizers": (write_tokenizers, "tokenizers"),
+    "flux_lora_export": (write_flux_lora_export, "flux"),
 }
 
 

@@ -2,7 +2,8 @@
 saved by diffusers, the same weights in the kohya and ComfyUI layouts, LoRAs exported by mxdit and loaded by diffusers
 (fixtures: scripts/make_fixtures.py --only lora / lora_export, scripts/export_lora_fixture.py); several LoRAs at once,
 fused into dense and quantized weights; other spellings of the layouts; unknown keys; FLUX.1's diffusers and
-kohya layouts (fused qkv) against diffusers."""
+kohya layouts (fused qkv) against diffusers, and a FLUX.1 LoRA exported by mxdit and loaded by diffusers (`--only
+flux_lora` / `flux_lora_export`)."""
 
 import dataclasses
 import importlib.util
@@ -298,3 +299,30 @@ def test_flux_single_block_linear1_splits_into_qkv_and_mlp(flux, tmp_path):
     a, b = read_lora(tmp_path / "kohya.safetensors", flux), read_lora(tmp_path / "ours.safetensors", flux)
     assert len(a.updates) == 4 and a.updates["single_transformer_blocks.1.proj_mlp"].scale == 0.5
     updates_equal(a, b)
+
+
+def test_exported_flux_lora_gives_diffusers_the_same_output(flux_reference, tmp_path):
+    """Two ranks and alphas, the output projection `proj_out` in one group and the single blocks' `proj_out` in the
+    other: diffusers must give each layer its own rank and alpha from the metadata."""
+    from safetensors import safe_open
+
+    exported = _export_script().exported_flux_model()
+    ours = flux_forward(exported, flux_reference)
+    diffusers_out = np.load(FLUX_LORA / "export_reference.npz")["output_diffusers"]
+    assert relative_l2(diffusers_out, flux_reference["output_base"]) > 0.1  # the LoRA matters
+    assert relative_l2(ours, diffusers_out) <= 3e-5  # FLUX's float32 parity (tests/test_flux.py)
+    # the committed file is what the exporter writes today, metadata included
+    path = tmp_path / "diffusers.safetensors"
+    export_lora(exported, path, "diffusers")
+    committed, written = load_file(FLUX_LORA / "mxdit_diffusers.safetensors"), load_file(path)
+    assert committed.keys() == written.keys()
+    for key in committed:
+        np.testing.assert_array_equal(committed[key], written[key], err_msg=key)
+    metadata = [safe_open(str(f), "numpy").metadata() for f in (FLUX_LORA / "mxdit_diffusers.safetensors", path)]
+    assert metadata[0] == metadata[1]
+    # and it reads back into mxdit as the same function, each layer with its own scale
+    fresh = FluxTransformer.from_pretrained(FIXTURES / "flux" / "tiny_pipeline" / "transformer", dtype=jnp.float32)
+    scales = {n: u.scale for n, u in read_lora(path, fresh).updates.items()}
+    assert scales["proj_out"] == 2.0 and scales["single_transformer_blocks.0.proj_out"] == 0.5
+    apply_loras(fresh, [(path, 1.0)])
+    assert relative_l2(flux_forward(fresh, flux_reference), ours) <= 1e-6
