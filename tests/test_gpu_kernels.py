@@ -20,6 +20,13 @@ from mxdit.pallas_kernels import gemm
 pytestmark = pytest.mark.gpu
 
 
+def _require_hopper(backend: str) -> None:
+    """The Mosaic kernels use Hopper's wgmma and TMA: on another GPU their tests are skipped, saying so."""
+    capability = getattr(jax.devices()[0], "compute_capability", "")
+    if backend == "mosaic" and not capability.startswith("9."):
+        pytest.skip(f"the Mosaic kernels need a Hopper GPU (compute capability 9.x), this is {capability!r}")
+
+
 def relative_l1(a, b) -> float:
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
     return float(np.abs(a - b).sum() / np.abs(b).sum())
@@ -51,6 +58,7 @@ def _gemm_operands(m, k, n, seed=0):
 
 
 def _gemm_check(record_property, backend, fmt, scaling, shape, epilogue, config=None, out_dtype=jnp.float32):
+    _require_hopper(backend)
     m, k, n = GEMM_SHAPES[shape]
     x, w, extras = _gemm_operands(m, k, n)
     spec = EPILOGUES[epilogue]
@@ -124,6 +132,7 @@ def test_triton_gemm_matches_the_definition(record_property, fmt, scaling, shape
 @pytest.mark.parametrize("backend", ["mosaic", "triton"])
 def test_swiglu_epilogue_matches_the_definition(record_property, backend):
     """SwiGLU's gate and up as one paired weight (`swiglu_weight`), SiLU(gate) * up in the epilogue."""
+    _require_hopper(backend)
     m, k, n = 4224, 512, 1024
     x, w, extras = _gemm_operands(m, k, 2 * n, seed=5)
     gate, up = (gemm.prepare_weight(part, "fp8_e4m3", backend=backend) for part in (w[:n], w[n:]))
@@ -250,6 +259,7 @@ ATTENTION_KERNELS = [("triton", "bf16", "two_level"), ("triton", "fp8", "two_lev
 def test_int8_attention_kernel_matches_the_reference(record_property, backend, pv, accumulation, d):
     """The kernels on already normed Q and K: the reference's function (the same INT8 blocks, the same P.V
     precision), up to the online softmax's rounding; and as close to exact attention as the reference is."""
+    _require_hopper(backend)
     (q, k, v), _, _, _, lengths = _attention_inputs(0, d=d, dtype=jnp.float32)
     block_k = 128 if backend == "mosaic" else 64
     run = jax.jit(functools.partial(attn.int8_attention, pv=pv, block_q=64, block_k=block_k, backend=backend,
@@ -296,6 +306,7 @@ def test_fused_mosaic_attention_as_the_models_call_it(record_property, monkeypat
     flipped: the reference of the normed, rotated inputs up to the online softmax's rounding."""
     if pv == "bf16" and variant not in ("default", "q_prologue_pass", "k_split_pairs", "k_steps_own_pass"):
         pytest.skip("an FP8 P.V switch")
+    _require_hopper("mosaic")
     for name, value in MOSAIC_VARIANTS[variant].items():
         monkeypatch.setattr(attn, name, value)
     (q, k, v), (nq, nk), cos, sin, lengths = _attention_inputs(1)
