@@ -488,10 +488,12 @@ def write_atomically(path: str | Path, write: Callable[[Path], None]) -> None:
     half-written, and nothing is left behind on an error. The result gets `new_file_mode(path)`, as a plain `open()`
     would give it (writers such as safetensors' create private 0o600 files)."""
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp")
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # this process's own: no two writers share it
     try:
         write(tmp)
         os.chmod(tmp, new_file_mode(path))
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())  # on disk before the rename: a crash leaves the old file or the new one
         tmp.replace(path)
     finally:
         tmp.unlink(missing_ok=True)
