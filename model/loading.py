@@ -89,6 +89,25 @@ _RAW_DTYPES = {"F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e
                "F8_E8M0": ml_dtypes.float8_e8m0fnu}
 
 
+def unreadable_safetensors(file: Path, error: Exception) -> str:
+    """The one-line reason the safetensors file `file` did not open (`error`: the library's): empty, truncated (its
+    header whole but the tensors it describes cut short: a copy or download that stopped), or the library's reason."""
+    try:
+        size = Path(file).stat().st_size
+        if size == 0:
+            return f"{file}: empty file, not a safetensors file"
+        with open(file, "rb") as f:
+            header_len = int.from_bytes(f.read(8), "little")
+            header = json.loads(f.read(min(header_len, size)))
+        end = 8 + header_len + max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"),
+                                   default=0)
+        if size < end:
+            return f"{file}: truncated: {size} bytes where its header describes {end} (a copy or download cut short?)"
+    except (OSError, ValueError, TypeError, KeyError, AttributeError):
+        pass
+    return f"{file}: not a readable safetensors file ({error})"
+
+
 class SafetensorsCheckpoint:
     """The tensors of one checkpoint, spread over one or several safetensors files, read lazily by key."""
 
@@ -110,7 +129,7 @@ class SafetensorsCheckpoint:
             try:
                 self._handles[file] = safe_open(str(file), framework="numpy")
             except Exception as e:  # safetensors raises its own error types for truncated or corrupt files
-                raise CheckpointError(f"{file}: not a readable safetensors file ({e})") from None
+                raise CheckpointError(unreadable_safetensors(file, e)) from None
         return self._handles[file]
 
     def keys(self) -> list[str]:

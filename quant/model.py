@@ -23,6 +23,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from mxdit.model.loading import unreadable_safetensors
+
 from .formats import FORMATS, QuantizedArray, quantize
 
 Rules = Sequence[tuple[str, str | None]]
@@ -117,7 +119,7 @@ def load_quantized(path: str | Path, *, on_host: bool = False) -> dict[str, jax.
     try:
         handle = safe_open(str(path), framework="numpy")
     except Exception as e:
-        raise QuantizedCheckpointError(f"{path}: not a readable safetensors file ({e})") from None
+        raise QuantizedCheckpointError(unreadable_safetensors(path, e)) from None
     meta = json.loads((handle.metadata() or {}).get("mxdit.quant", "{}"))
     out, used = {}, set()
     for key, info in meta.items():

@@ -25,7 +25,7 @@ import numpy as np
 from flax import nnx
 
 from mxdit.model.layers import Linear, quantize_linear_layers
-from mxdit.model.loading import module_key, save_safetensors
+from mxdit.model.loading import module_key, save_safetensors, unreadable_safetensors
 
 # The attention projections (q, k, v, the sigmoid gate, out) and the SwiGLU projections (gate, up, down) of every
 # joint block and every text-fusion block: what PEFT's suffix matching of diffusers' Krea 2 names selects.
@@ -307,7 +307,7 @@ def load_lora(model: nnx.Module, path: str | Path) -> LoraConfig:
     try:
         handle = safe_open(str(path), framework="numpy")
     except Exception as e:
-        raise ValueError(f"{path}: not a readable safetensors file ({e})") from None
+        raise ValueError(unreadable_safetensors(path, e)) from None
     try:
         config = LoraConfig(**{k: tuple(v) if k == "targets" else v
                                for k, v in json.loads(handle.metadata()[METADATA_KEY]).items()})
