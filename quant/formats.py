@@ -17,7 +17,9 @@ device, and matches ml_dtypes' casts bit for bit):
   x / 2^exp. Some values just below the saturating range clip (the spec's floor; no amax rounding up).
 - An all-zero MX block gets the smallest scale, 2^-127 (E8M0 code 0x00), and zero elements.
 - float32 subnormals (|x| < 2^-126) count as zero, in inputs and in dequantized results: XLA flushes them on CPU
-  and GPU. (Subnormals of the element formats are kept.)
+  and GPU. (Subnormals of the element formats are kept.) The float32 scales too: a row (FP8, INT8) or tensor
+  (NVFP4) whose scale would be subnormal, amax below the format's largest value times 2^-126 (5.3e-36 for E4M3),
+  dequantizes to zeros.
 - A block holding NaN or +-Inf gets the NaN scale (E8M0 code 0xFF): the whole block dequantizes to NaN. E8M0 has no
   infinity, so Inf is not kept. FP8/INT8 per-row scales: a row with NaN/Inf dequantizes to NaN.
 
