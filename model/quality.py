@@ -71,7 +71,7 @@ def krea2_quality(pipe: Krea2Pipeline, formats: Sequence[str], prompts: Sequence
         grid_h, grid_w = height // 16, width // 16
         latents = jax.random.normal(jax.random.key(0), (1, grid_h * grid_w, model.config.in_channels))
         ids = np.concatenate([np.zeros((embeds.shape[1], 3), np.float32), image_position_ids(grid_h, grid_w)])
-        return np.asarray(model(latents, embeds, jnp.full((1,), 0.7), jnp.asarray(ids), mask), np.float32)
+        return np.asarray(_transformer(model, latents, embeds, jnp.full((1,), 0.7), jnp.asarray(ids), mask), np.float32)
 
     params = dict(iter_params(pipe.transformer))
     shapes = {k: (tuple(v.shape), v.dtype) for k, v in params.items()}
@@ -95,6 +95,13 @@ def krea2_quality(pipe: Krea2Pipeline, formats: Sequence[str], prompts: Sequence
             report = evaluate(fmt, velocity(model), reference_velocity, images(quantized), reference_images)
             rows.append(QualityRow(name, weight_bytes(shapes, rules), report))
     return rows
+
+
+@jax.jit
+def _transformer(model, latents, embeds, timestep, ids, mask):
+    """One compiled call of the transformer (the module as a pytree, as the pipeline's programs take it): run op by op,
+    each layer and each activation quantization compiles programs of its own."""
+    return model(latents, embeds, timestep, ids, mask)
 
 
 def format_table(rows: Sequence[QualityRow]) -> str:

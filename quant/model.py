@@ -68,7 +68,13 @@ def quantize_model(params: Mapping[str, jax.Array], rules: Rules) -> dict[str, j
 
 def dequantize_model(params: Mapping[str, jax.Array | QuantizedArray], dtype=jnp.bfloat16) -> dict[str, jax.Array]:
     """Every QuantizedArray back to `dtype` (for weight-only fake quantization); others untouched."""
-    return {k: v.dequantize(dtype) if isinstance(v, QuantizedArray) else v for k, v in params.items()}
+    return {k: _dequantize(v, dtype) if isinstance(v, QuantizedArray) else v for k, v in params.items()}
+
+
+@functools.partial(jax.jit, static_argnames="dtype")
+def _dequantize(q: QuantizedArray, dtype) -> jax.Array:
+    """One compiled program per format and shape: run op by op, NVFP4's decoding alone compiles dozens of programs."""
+    return q.dequantize(dtype)
 
 
 def weight_bytes(shapes: Mapping[str, tuple[tuple[int, ...], jnp.dtype]], rules: Rules) -> int:
