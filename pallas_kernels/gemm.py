@@ -728,6 +728,14 @@ def _triton_gemm(x, x_scale, w: GemmWeight, bias, residual, gate, *, activation,
     m, k = x.shape
     n = w.n
     bm, bn = min(config.block_m, _pow2_at_least(m)), min(config.block_n, _pow2_at_least(n))
+    # The Triton lowering masks no load or store: a tile reaching past the arrays would read and write past them, so
+    # every operand is padded to whole tiles (DiT shapes need none) and the result cut back.
+    pm, pn = (-m) % bm, (-n) % bn
+    if pm or pn:
+        x, x_scale, w, bias, residual, gate = _pad_to_tiles(x, x_scale, w, bias, residual, gate, pm, pn)
+        y = _triton_gemm(x, x_scale, w, bias, residual, gate, activation=activation, out_dtype=out_dtype,
+                         config=config, interpret=interpret)
+        return y[:m, :n]
     k_iters = k // BLOCK_K
     x_blocks = x_scale.ndim == 2
     int8 = jnp.dtype(x.dtype) == jnp.int8
@@ -817,6 +825,23 @@ def _triton_gemm(x, x_scale, w: GemmWeight, bias, residual, gate, *, activation,
         interpret=interpret,
     )(x, x_scale, w.data, w.scale, hb, bias if has_bias else dummy, residual if has_res else dummy,
       gate if has_gate else dummy)
+
+
+def _pad_to_tiles(x, x_scale, w: GemmWeight, bias, residual, gate, pm: int, pn: int):
+    """The GEMM's operands with pm zero rows (scale 1) and pn zero columns (weight rows) more."""
+    def rows(a, pad, axis=0, value=0):
+        if a is None or not pad:
+            return a
+        widths = [(0, 0)] * a.ndim
+        widths[axis] = (0, pad)
+        return jnp.pad(a, widths, constant_values=value)
+
+    x = rows(x, pm)
+    x_scale = rows(x_scale, pm, axis=x_scale.ndim - 1, value=1)  # (m,) or K-major blocks (k / 128, m)
+    residual = rows(rows(residual, pm), pn, axis=1)
+    scale = rows(w.scale, pn, axis=1 if w.layout == "block" else 0, value=1 if w.layout != "mx" else 127)
+    w = dataclasses.replace(w, data=rows(w.data, pn), scale=scale, high_bits=rows(w.high_bits, pn), n=w.n + pn)
+    return x, x_scale, w, rows(bias, pn), residual, rows(gate, pn)
 
 
 def _pow2_at_least(v: int) -> int:

@@ -149,3 +149,62 @@ def test_triton_gemm_lowers(fmt, activation):
     else:
         weight = gemm.prepare_weight(w, fmt, backend="triton")
     assert lowers(lambda x: gemm.scaled_matmul(x, weight, activation=activation, backend="triton"), ((128, 256), BF16))
+
+
+def triton_blocks(fn, *args):
+    """(kernel name, block shape, array shape) of each operand and result of every Pallas call fn makes."""
+    found = []
+
+    def walk(jaxpr):
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "pallas_call":
+                for mapping in eqn.params["grid_mapping"].block_mappings:
+                    block = tuple(1 if b is None else getattr(b, "block_size", 1) for b in mapping.block_shape)
+                    found.append((eqn.params.get("name_and_src_info"), block, mapping.array_aval.shape))
+            for param in eqn.params.values():
+                inner = getattr(param, "jaxpr", param)
+                if hasattr(inner, "eqns"):
+                    walk(inner)
+
+    walk(jax.make_jaxpr(fn)(*args).jaxpr)
+    assert found, "no Pallas call traced"
+    return found
+
+
+def assert_whole_tiles(fn, *args):
+    """The Triton lowering masks no load or store: a block reaching past its array reads and writes past it on the
+    GPU (interpret mode pads, so the CPU tests cannot see it). Every array is a whole number of its blocks."""
+    for name, block, shape in triton_blocks(fn, *args):
+        assert all(s % b == 0 for b, s in zip(block, shape)), f"{name}: block {block} does not tile {shape}"
+
+
+@pytest.mark.parametrize("m, k, n", [(130, 200, 72), (1, 128, 3), (4224, 1024, 768)])
+@pytest.mark.parametrize("fmt, scaling", [("fp8_e4m3", "token"), ("fp8_e4m3", "block"), ("mxfp4_e2m1", "token"),
+                                          ("mxfp6_e3m2", "block"), ("mxfp8_e4m3", "token"), ("int8", "token")])
+def test_triton_gemm_tiles_every_shape_whole(m, k, n, fmt, scaling):
+    w = jax.random.normal(jax.random.key(0), (n, k), F32) * 0.05
+    weight = gemm.prepare_weight(w, fmt, backend="triton")
+    x, xs = gemm.quantize_activations(jnp.ones((m, k), F32), "token" if fmt == "int8" else scaling,
+                                      fmt if fmt == "int8" else "fp8_e4m3")
+    assert_whole_tiles(lambda x, xs, b, r, g: gemm.scaled_matmul(
+        x, weight, xs, bias=b, residual=r, gate=g, activation="gelu_tanh", backend="triton"),
+        x, xs, jnp.ones((n,)), jnp.ones((m, n)), jnp.ones((n,)))
+
+
+@pytest.mark.parametrize("b, s, d", [(2, 40, 96), (1, 37, 6144), (1, 4224, 6144)])
+def test_row_kernels_tile_every_shape_whole(b, s, d):
+    x, vec, mod = jnp.ones((b, s, d), BF16), jnp.ones((d,), F32), jnp.ones((b, 1, d), BF16)
+    assert_whole_tiles(lambda x: A.modulated_rms_norm_fp8(x, vec, mod, mod, 1e-6), x)
+    assert_whole_tiles(lambda x: A.modulated_layer_norm_fp8(x, mod, mod, 1e-6), x)
+    assert_whole_tiles(A.tokens_fp8, x)
+    assert_whole_tiles(A.swiglu_fp8, jnp.concatenate([x, x], -1))
+    assert_whole_tiles(lambda x: A.sigmoid_gated_fp8(x, jnp.concatenate([x, x], -1), d), x)
+
+
+@pytest.mark.parametrize("s", [256, 1000, 4224])
+@pytest.mark.parametrize("pv", ["bf16", "fp8"])
+def test_int8_attention_tiles_every_shape_whole(s, pv):
+    q, kv = jnp.ones((1, s, 4, 64), BF16), jnp.ones((1, s, 2, 64), BF16)
+    n, cos = jnp.ones((64,), F32), jnp.ones((s, 64), F32)
+    assert_whole_tiles(lambda q, k, v: attention.int8_attention_fused(
+        q, k, v, n, n, 1e-6, cos, cos, kv_lengths=jnp.asarray([s - 3]), pv=pv, backend="triton"), q, kv, kv)
