@@ -308,8 +308,8 @@ def test_lora_training_on_a_data_by_fsdp_mesh_equals_one_device(tmp_path):
     np.testing.assert_allclose(sharded_losses, losses, rtol=1e-6)
     # The LoRA weights are all update (B starts at zero), and Adam's g / (sqrt(v) + eps) turns rounding-level changes
     # of near-zero gradient elements into visible ones (see the FSDP test above, whose gradients agree to 1e-5):
-    # measured 1.3e-5 after 3 steps at lr 1e-2, so the bound here is 1e-4.
-    assert error <= 1e-4
+    # measured 1.3e-5 after 3 steps at lr 1e-2.
+    assert error <= 4e-5
     remove_lora(pipe.transformer)
     with pytest.raises(TrainError, match="--batch-size of 3 does not split"):
         train(pipe, tmp_path / "photos", tmp_path / "bad", dataclasses.replace(config, batch_size=3), lora,

@@ -51,11 +51,12 @@ def test_scaled_fp8_file_loads_as_dequantized_weights(tmp_path, style):
     assert len(expected) == 16
     for key, value in expected.items():
         np.testing.assert_array_equal(np.asarray(params[key]), value, err_msg=key)
-    # and the model still computes what diffusers computes, up to FP8 weight rounding
+    # and the model still computes what diffusers computes, up to the FP8 rounding of 16 of its weights (measured
+    # 0.022: the same FP8 values in both styles, so the same output)
     r = dict(np.load(TINY / "reference.npz"))
     out = model(r["hidden_states"], r["encoder_hidden_states"], r["timestep"], r["position_ids"],
                 r["encoder_attention_mask"])
-    assert relative_l2(out, r["output_masked"]) < 0.1
+    assert relative_l2(out, r["output_masked"]) < 0.03
 
 
 def to_blocked(scales: np.ndarray) -> np.ndarray:

@@ -611,13 +611,13 @@ def test_fused_mosaic_fp8_attention_takes_v_range_from_the_k_sums_pass(monkeypat
     for flag in (True, False):
         monkeypatch.setattr(A, "MOSAIC_V_RANGE_IN_K_SUMS", flag)
         outs[flag] = A.int8_attention_fused_stacked(qkv, 4, 2, nq, nk, 1e-6, cos, sin, **options).astype(jnp.float32)
-    assert relative_l1(outs[True], outs[False]) <= 1e-3  # measured: equal
+    np.testing.assert_array_equal(outs[True], outs[False])  # the same V range, whichever pass takes it
     # the K side's switches (pairs split in registers, the sums pass in parts of 32 keys) through the whole call
     monkeypatch.setattr(A, "MOSAIC_V_RANGE_IN_K_SUMS", True)
     monkeypatch.setattr(A, "K_SPLIT_PAIRS", True)
     monkeypatch.setattr(A, "K_SUMS_ROWS", 32)
     switched = A.int8_attention_fused_stacked(qkv, 4, 2, nq, nk, 1e-6, cos, sin, **options).astype(jnp.float32)
-    assert relative_l1(switched, outs[True]) <= 1e-3
+    np.testing.assert_array_equal(switched, outs[True])  # the same codes and sums, computed in other parts
     truth = exact(A.rms_rope_reference(q, nq, 1e-6, cos, sin), A.rms_rope_reference(k, nk, 1e-6, cos, sin),
                   v.astype(jnp.float32), lengths)
     assert cosine(outs[True], truth) >= 0.999 and relative_l1(outs[True], truth) <= BOUNDS["fp8"]
@@ -633,7 +633,8 @@ def test_fused_attention_matches_attention_of_normed_rotated_inputs(pv):
     qn, kn = A.rms_rope_reference(q, nq, 1e-6, cos, sin), A.rms_rope_reference(k, nk, 1e-6, cos, sin)
     unfused = A.int8_attention(qn, kn, v, kv_lengths=lengths, pv=pv, interpret=True)
     truth = exact(qn, kn, v, lengths)
-    assert relative_l1(out, unfused) <= 1e-3  # the same codes, so the same attention up to summation order
+    # the same codes, so the same attention up to summation order: measured 2.9e-6 (bf16 P.V), 1.8e-7 (FP8)
+    assert relative_l1(out, unfused) <= 1e-5
     assert cosine(out, truth) >= 0.999 and relative_l1(out, truth) <= BOUNDS[pv]
 
 

@@ -27,8 +27,9 @@ def test_streamed_blocks_give_the_transformer_output(tiny_and_inputs, resident, 
     kinds = [jax.tree.leaves(s)[0].sharding.memory_kind for s in streamed.block_states]
     assert kinds == ["device"] * resident + ["pinned_host"] * (len(kinds) - resident)
     out = streamed(*args)
-    np.testing.assert_allclose(np.asarray(out), np.asarray(model(*args)), rtol=0, atol=1e-5)
-    assert float(jnp.linalg.norm(out - expected) / jnp.linalg.norm(expected)) <= 1e-4  # diffusers' output
+    # measured: 1.7e-6 apart at most (the streamed blocks are separate programs), 3.0e-7 from diffusers' output
+    np.testing.assert_allclose(np.asarray(out), np.asarray(model(*args)), rtol=0, atol=5e-6)
+    assert float(jnp.linalg.norm(out - expected) / jnp.linalg.norm(expected)) <= 1e-6
 
 
 def test_later_steps_reuse_the_first_steps_programs(tiny_and_inputs):
@@ -167,8 +168,9 @@ def test_streamed_flux_gives_the_transformer_output(resident, prefetch):
     kinds = [jax.tree.leaves(s)[0].sharding.memory_kind for s in streamed.block_states]
     assert kinds == ["device"] * resident + ["pinned_host"] * (4 - resident)
     out = np.asarray(streamed(*args))
-    np.testing.assert_allclose(out, expected, rtol=0, atol=1e-5)
-    assert float(np.linalg.norm(out - ref["output"]) / np.linalg.norm(ref["output"])) <= 1e-4
+    # measured: 7.2e-7 apart at most, 7.6e-6 from diffusers' output (the unstreamed model's own distance)
+    np.testing.assert_allclose(out, expected, rtol=0, atol=2e-6)
+    assert float(np.linalg.norm(out - ref["output"]) / np.linalg.norm(ref["output"])) <= 2e-5
 
 
 def test_flux_placement_counts_single_blocks_after_the_double_ones():
