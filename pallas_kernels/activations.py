@@ -19,12 +19,11 @@ composition in jnp (what runs off the GPU, and what the tests compare the kernel
 kernel (Triton lowering: a program per row, or per few rows one after the other, `ROWS_PER_PROGRAM`; rows that
 a power-of-two chunk of 16 to 2048 values divides).
 
-On the H200 at 4224 x 6144 / 4224 x 32768 (NOTES.md, session 5): the norm in 42 us (XLA's composition 85), 99.99998%
-of its codes equal to the reference; SwiGLU in 141 us (XLA 231), 96.9% of codes equal: on the GPU, XLA keeps float32
-where the reference rounds to bf16 (its default excess precision), so the two differ by code flips at FP8 rounding
-boundaries, each within the quantization step. The norm's 2e-7 is the size of the differences Triton's approximate
-float32 division (`div.full.f32`) makes; since session 20 the kernels' quotients are IEEE division's
-(`ieee_quotients`: bit-equal in numpy on hard cases; on the GPU not yet measured).
+The kernels' codes are those of the composition as XLA computes it on the CPU (values times the scale's reciprocal,
+`reciprocal_products`), bit for bit; the sigmoid kernels up to rare ties of their approximate sigmoid (the GPU tier,
+`tests/test_gpu_kernels.py`). XLA's own composition on the GPU keeps bf16 intermediates in float32 (its default
+excess precision), so it differs from both by code flips at FP8 rounding boundaries, each within a step. Times:
+the norm at Krea 2's 4224 x 6144 in about half the composition's, SwiGLU at 4224 x 32768 in about 60% (NOTES.md).
 """
 
 from __future__ import annotations
@@ -364,73 +363,39 @@ def _for_each_row(rows: int, row, load=None) -> None:
 
 
 def _store_fp8_row(ys, amax, c, q_ref, s_ref, row=slice(None), *, interpret: bool = False):
-    """`gemm._fp8_e4m3_rows`' rule for one row held as chunks: scale amax / 448 (1 for a zero row; NaN for a row
-    holding NaN or Inf, whose values then mean nothing). `row`: which of the program's rows (all: its only one).
-    The quotients are IEEE division's (`ieee_quotients`); `interpret`: jnp's division, which is IEEE there."""
+    """`gemm._fp8_e4m3_rows`' rule for one row held as chunks: scale amax * float32(1 / 448) (1 for a zero row; NaN
+    for a row holding NaN or Inf, whose values then mean nothing), values times its reciprocal. `row`: which of the
+    program's rows (all: its only one). On the GPU `reciprocal_products`; the E4M3 conversion saturates at 448."""
     from jax.experimental import pallas as pl
 
     finite = amax <= np.float32(np.finfo(np.float32).max)  # False for Inf and NaN
     step = jnp.where(amax > 0, amax * np.float32(1.0 / FP8_MAX), 1.0)
     if interpret:
-        qs = [jnp.clip(y / step, -FP8_MAX, FP8_MAX) for y in ys]
+        qs = [jnp.clip(y * (1.0 / step), -FP8_MAX, FP8_MAX) for y in ys]
     else:
-        qs = ieee_quotients(ys, step)
+        qs = reciprocal_products(ys, step)
     for i, q in enumerate(qs):
         q_ref[row, pl.ds(i * c, c)] = jnp.where(finite, q, 0.0).astype(q_ref.dtype)
     s_ref[row, :] = jnp.where(finite, step, jnp.nan).reshape(1, 1)
 
 
-# Triton lowers float32 `/` to PTX's `div.full.f32`, an approximation (up to 2 ulp), so the kernels' codes could
-# differ from the rule's (IEEE `x / scale`) at FP8 rounding ties: differences of the size session 5 measured on the
-# norm (2e-7 of its codes). `ieee_quotients` gives IEEE division's quotients from one correctly rounded reciprocal a
-# row (or a block's, a channel's) and, a value, two multiplies and two FMAs (Markstein's correction;
-# `markstein_quotient` is the same arithmetic in numpy, which the tests check against division on hard cases). In SASS
-# (ptxas 13.0 on the kernels' PTX, no GPU: NOTES.md, session 20) that is 5 instructions a value with the select of
-# finite rows, against 6 for `div.full.f32`'s range scaling and multiply plus the clip, which the E4M3 conversion
-# applies anyway (PTX's `cvt.rn.satfinite`, as Triton converts; quotients pass 448 only where step is subnormal, in
-# rows of amax below ~2^-117). The correction is exact while the residual y - q * step cannot underflow for quotients
-# that reach a code (>= 2^-11 for E4M3, 0.5 for INT8), i.e. step >= 2^-92: a step below `_MARKSTEIN_MIN_STEP` divides
-# y 2^64 by step 2^64 (the same quotient; `pre` below). A branch per row instead (`lax.cond`) took the token kernel
-# from 80 to 92 registers, and a CTA an SM less. The attention's K pass takes the same quotients, rounded to integers
-# (`cvt.rni`: ties to even, jnp.round's).
-_MARKSTEIN_MIN_STEP = np.float32(2.0 ** -88)
-_MARKSTEIN_PRE = np.float32(2.0 ** 64)
-_QUOTIENT_PTX = """{
-.reg .f32 y, q, e;
-mul.rn.f32 y, $1, $2;
-mul.rn.f32 q, y, $4;
-neg.f32 e, y;
-fma.rn.f32 e, q, $3, e;
-neg.f32 e, e;
-fma.rn.f32 %s, e, $4, q;%s
-}"""
+# Quantization multiplies by the scale's reciprocal (rounded once) rather than dividing by the scale: XLA rewrites a
+# division by a broadcast scale or a constant into exactly that multiplication on every backend, so the jnp
+# definitions spell it out (`gemm.quantize_activations`, `quant.formats`, the attention's references) and the
+# kernels compute the same here: one `rcp.rn.f32` a row (Triton's own `/` is the approximate `div.full.f32`) and a
+# `mul.rn.f32` a value. Every path then gives the same codes; IEEE division would differ from XLA's at rare ties.
+_PRODUCT_PTX = "mul.rn.f32 $0, $1, $2;"
+_ROUNDED_PRODUCT_PTX = "{ .reg .f32 q; mul.rn.f32 q, $1, $2; cvt.rni.f32.f32 $0, q; }"  # ties to even, as jnp.round
 
 
-def ieee_quotients(ys, step, *, round_to_integer: bool = False):
-    """[y / step for y in ys] rounded as IEEE float32 division rounds (then to the nearest integer, ties to even:
-    `round_to_integer`), inside a Triton kernel (inline PTX: `_QUOTIENT_PTX` on y, pre, step * pre and its
-    reciprocal). step: one float32 for all of ys (a row's, a block's), or an array that broadcasts against each y
-    (a step a channel: (1, d))."""
+def reciprocal_products(ys, step, *, round_to_integer: bool = False):
+    """[y * (1 / step) for y in ys], the reciprocal correctly rounded, each product rounded once (then to the nearest
+    integer, ties to even: `round_to_integer`), inside a Triton kernel. step: one float32 for all of ys (a row's, a
+    block's), or an array that broadcasts against each y (a step a channel: (1, d))."""
     step = jnp.reshape(step, (1, 1)) if jnp.ndim(step) < 2 else step
-    pre = jnp.where(step < _MARKSTEIN_MIN_STEP, _MARKSTEIN_PRE, np.float32(1.0))
-    step = step * pre  # exact: a power of two times a float32 far from overflow
     reciprocal = ptx_f32("rcp.rn.f32 $0, $1;", step)
-    code = _QUOTIENT_PTX % (("q", "\ncvt.rni.f32.f32 $0, q;") if round_to_integer else ("$0", ""))
-    return [ptx_f32(code, y, pre, step, reciprocal) for y in ys]
-
-
-def markstein_quotient(y: np.ndarray, step: np.ndarray, fma, *, scale_small: bool = True) -> np.ndarray:
-    """`ieee_quotients`' arithmetic in numpy (float32 arrays; `fma(a, b, c)`: a * b + c rounded once): y / step as
-    IEEE division rounds it, for step > 0 and quotients >= 2^-11 (smaller ones get the same E4M3 code).
-    The residual is computed negated so that y = -0 keeps its sign. `scale_small=False`: without the scaling of
-    steps below `_MARKSTEIN_MIN_STEP` (to show what it is for)."""
-    y, step = np.asarray(y, np.float32), np.asarray(step, np.float32)
-    pre = np.where((step < _MARKSTEIN_MIN_STEP) & scale_small, _MARKSTEIN_PRE, np.float32(1.0))
-    step = step * pre
-    reciprocal = np.float32(1) / step  # numpy's division is IEEE: rcp.rn.f32
-    y = y * pre
-    q = y * reciprocal
-    return fma(-fma(q, step, -y), reciprocal, q)
+    code = _ROUNDED_PRODUCT_PTX if round_to_integer else _PRODUCT_PTX
+    return [ptx_f32(code, y, reciprocal) for y in ys]
 
 
 def _row_spec(d: int, rows: int = 1):

@@ -28,7 +28,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .activations import ieee_quotients, ptx_f32
+from .activations import reciprocal_products
+
+# INT8 and E4M3 scales are amax times these (as `quant.formats`' scales), values times the scale's reciprocal
+# (`activations.reciprocal_products`): what XLA computes for a division by them, spelled out.
+_INV_127, _INV_448 = np.float32(1.0 / 127.0), np.float32(1.0 / 448.0)
 
 
 def _quantize_int8_blocks(x: jax.Array, block: int) -> tuple[jax.Array, jax.Array]:
@@ -37,8 +41,8 @@ def _quantize_int8_blocks(x: jax.Array, block: int) -> tuple[jax.Array, jax.Arra
     pad = (-s) % block
     xp = jnp.pad(x, ((0, 0), (0, pad), (0, 0), (0, 0))).reshape(b, (s + pad) // block, block, h, d)
     amax = jnp.max(jnp.abs(xp), axis=(2, 4))
-    scale = jnp.where(amax > 0, amax / 127.0, 1.0)
-    q = jnp.clip(jnp.round(xp / scale[:, :, None, :, None]), -127, 127).astype(jnp.int8)
+    scale = jnp.where(amax > 0, amax * _INV_127, 1.0)
+    q = jnp.clip(jnp.round(xp * (1.0 / scale)[:, :, None, :, None]), -127, 127).astype(jnp.int8)
     return q.reshape(b, s + pad, h, d)[:, :s], scale
 
 
@@ -101,7 +105,7 @@ def _v_fp8_scale_and_mean_of_range(hi, lo, total, lengths, smooth: bool) -> tupl
     else:
         mean = jnp.zeros_like(hi)
     amax = jnp.maximum(hi - mean, mean - lo)  # -inf without valid keys
-    return jnp.where(amax > 0, amax / 448.0, 1.0), mean
+    return jnp.where(amax > 0, amax * _INV_448, 1.0), mean
 
 
 def _quantize_v_fp8(v: jax.Array, kv_lengths=None, smooth: bool = False) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -110,7 +114,7 @@ def _quantize_v_fp8(v: jax.Array, kv_lengths=None, smooth: bool = False) -> tupl
     v_scale, mean = _v_fp8_scale_and_mean(v, kv_lengths, smooth)
     valid = _valid_keys(kv_lengths, v.shape[0], v.shape[1])[:, :, None, None]
     centred = jnp.where(valid, v.astype(jnp.float32) - mean[:, None], 0.0)
-    return (centred / v_scale[:, None]).astype(jnp.float8_e4m3fn), v_scale, mean
+    return (centred * (1.0 / v_scale)[:, None]).astype(jnp.float8_e4m3fn), v_scale, mean
 
 
 def _prologue(q, k, v, kv_lengths, block_q, block_k, scale, smooth_k=True):
@@ -380,9 +384,9 @@ def v_fp8_operand(v: jax.Array, block: int, *, permute_keys: bool, kv_lengths: j
         rows = pl.program_id(2) * block + jax.lax.broadcasted_iota(jnp.int32, (block, d), 0)
         centred = v_ref[...].astype(jnp.float32) - m_ref[...][None, :]
         if interpret:
-            y = centred / s_ref[...][None, :]
-        else:  # IEEE's quotients, as the reference's (Triton's `/` is div.full.f32)
-            (y,) = ieee_quotients([centred], s_ref[...][None, :])
+            y = centred * (1.0 / s_ref[...])[None, :]
+        else:  # the reference's products (Triton's `/` is the approximate div.full.f32)
+            (y,) = reciprocal_products([centred], s_ref[...][None, :])
         y = jnp.where(rows < lengths_ref[pl.program_id(0)], y, 0.0)
         if permute_keys:  # (16-key group, hi, c, lo, dim) -> (dim, group, c, hi, lo)
             y = y.reshape(block // 16, 2, 4, 2, d).transpose(4, 0, 2, 1, 3).reshape(d, block)
@@ -1144,7 +1148,7 @@ def _block_steps_of_range(key_range: jax.Array, mean: jax.Array) -> jax.Array:
     m = mean[:, None]
     amax = jnp.max(jnp.maximum(key_range[:, :, :, 0] - m, m - key_range[:, :, :, 1]), axis=-1)
     amax = jnp.maximum(amax, 0.0)
-    return jnp.where(amax > 0, amax / 127.0, 1.0)
+    return jnp.where(amax > 0, amax * _INV_127, 1.0)
 
 
 def _round_half_even(x: jax.Array) -> jax.Array:
@@ -1253,17 +1257,13 @@ def _rms_rope_quantize(x, weight, eps, cos_half, sin_half, mean, lengths, multip
                 real, imag = jnp.where(keep, real, 0.0), jnp.where(keep, imag, 0.0)
             if steps_ref is None:
                 amax = jnp.maximum(jnp.max(jnp.abs(real)), jnp.max(jnp.abs(imag)))
-                if interpret:
-                    step = jnp.where(amax > 0, amax / 127.0, 1.0)
-                else:  # IEEE's amax / 127, as the reference's (Triton's `/` is div.full.f32): once a program
-                    amax = jnp.reshape(amax, (1, 1))
-                    step = jnp.where(amax > 0, ptx_f32("div.rn.f32 $0, $1, 0f42FE0000;", amax), 1.0)  # 0f42FE0000: 127
+                step = jnp.where(amax > 0, amax * _INV_127, 1.0)
             else:
                 step = steps_ref[one]
             if interpret:
-                rounded = [_round_half_even(v / step) for v in (real, imag)]
-            else:  # IEEE quotients rounded to integers, ties to even (`activations.ieee_quotients`)
-                rounded = ieee_quotients([real, imag], step, round_to_integer=True)
+                rounded = [_round_half_even(v * (1.0 / step)) for v in (real, imag)]
+            else:  # the reference's products rounded to integers, ties to even
+                rounded = reciprocal_products([real, imag], step, round_to_integer=True)
             parts = [jnp.clip(v, -127, 127).astype(jnp.int8) for v in rounded]
             if natural_order:  # the pairs joined in registers: one contiguous store (strided ones: +12% time)
                 q_ref[:, one, :] = jnp.stack(parts, axis=-1).reshape(tile, 1, d)

@@ -281,12 +281,13 @@ def quantize_activations(x: jax.Array, scaling: str = "token", fmt: str = "fp8_e
 
 
 def _fp8_e4m3_rows(x: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Per-row FP8 E4M3 quantization with `quant.formats`' scale rule (amax * float32(1/448)); NaN scale for rows
-    holding NaN/Inf, whose values are zeroed."""
+    """Per-row FP8 E4M3 quantization with `quant.formats`' rule (scale amax * float32(1/448), values times the
+    scale's reciprocal: see `activations.reciprocal_products`); NaN scale for rows holding NaN/Inf, whose values are
+    zeroed."""
     amax = jnp.max(jnp.abs(x), axis=-1, keepdims=True)
     scale = jnp.where(amax > 0, amax * np.float32(1.0 / 448.0), 1.0).astype(jnp.float32)
     scale = jnp.where(jnp.isfinite(amax), scale, jnp.nan)
-    q = jnp.where(jnp.isfinite(x), jnp.clip(x / scale, -448.0, 448.0), 0.0)
+    q = jnp.where(jnp.isfinite(x), jnp.clip(x * (1.0 / scale), -448.0, 448.0), 0.0)
     return q.astype(jnp.float8_e4m3fn), scale
 
 

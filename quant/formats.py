@@ -258,7 +258,8 @@ def _quantize_fp8(x, f: Format, per_tensor: bool):
     scale = jnp.where(amax > 0, amax * _reciprocal(f.element.max_normal), 1.0).astype(jnp.float32)
     finite = jnp.all(jnp.isfinite(x)) if per_tensor else _finite_rows(x)
     scale = jnp.where(finite, scale, jnp.nan)
-    q = round_to_element(jnp.where(jnp.isfinite(x), x / scale, 0.0), f.element)
+    # times the reciprocal: what XLA makes of a division by a broadcast scale, spelled out (as `_reciprocal`)
+    q = round_to_element(jnp.where(jnp.isfinite(x), x * (1.0 / scale), 0.0), f.element)
     dtype = jnp.float8_e4m3fn if f.element is E4M3 else jnp.float8_e5m2
     return jax.lax.bitcast_convert_type(encode(q, f.element), dtype), scale, None
 

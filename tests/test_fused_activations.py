@@ -3,6 +3,7 @@ against the jnp reference, and the reference against the models' own arithmetic.
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import pytest
 
@@ -187,96 +188,39 @@ def test_sigmoid_gated_kernel_reads_the_gate_in_place():
         A.sigmoid_gated_fp8(out, stacked, 200, interpret=True)
 
 
-def _fma_f32(a, b, c):
-    """a * b + c rounded once to float32 (PTX's fma.rn.f32), exactly, in numpy: the product is exact in float64;
-    the sum's float64 rounding error comes from TwoSum, and decides a float64 sum that sits on a float32 tie."""
-    a, b, c = (np.asarray(v, np.float32).astype(np.float64) for v in (a, b, c))
-    p = a * b
-    s = p + c
-    bb = s - p
-    err = (p - (s - bb)) + (c - bb)  # s + err == p + c exactly
-    r = s.astype(np.float32)
-    away = np.nextafter(r, np.where(s > r, np.float32(np.inf), np.float32(-np.inf)))  # the other float32 neighbour
-    tie = (s != r) & (s == (r.astype(np.float64) + away.astype(np.float64)) / 2) & (err != 0)
-    toward_away = np.sign(err) == np.sign(away.astype(np.float64) - s)
-    return np.where(tie & toward_away, away, r)
+def _rows_at_e4m3_ties(rng, rows=64, d=512):
+    """Rows whose values times the scale's reciprocal land on E4M3 rounding ties or an ulp beside them (normal and
+    subnormal codes), where dividing instead would round some of them the other way."""
+    grid = np.arange(0, 448, 2.0 ** -9, dtype=np.float64)
+    e4m3 = np.unique(grid.astype(ml_dtypes.float8_e4m3fn).astype(np.float64))
+    ties = (e4m3[:-1] + e4m3[1:]) / 2
+    x = np.empty((rows, d), np.float32)
+    for r in range(rows):
+        step = np.float32(rng.uniform(0.5, 2.0) * 2.0 ** rng.integers(-20, 20))
+        x[r, 0] = np.float32(448) * step
+        y = (rng.choice(ties, d - 1) * np.float64(step)).astype(np.float32)
+        y = np.nextafter(y, y * rng.choice([-1.0, 0.0, 1.0, 2.0], d - 1).astype(np.float32))  # ulp below, on, above
+        x[r, 1:] = y * rng.choice([-1, 1], d - 1).astype(np.float32)
+    return x
 
 
-def test_fma_emulation_is_exact():
-    """The tests' float32 FMA against exact rational arithmetic, on operands that produce float64 ties too."""
-    from fractions import Fraction
+def test_fp8_rows_are_values_times_the_reciprocal_on_every_path():
+    """The FP8 rule (scale amax * float32(1/448), values times its reciprocal rounded once, RNE to E4M3), computed
+    in numpy, gives the codes of XLA's `quantize_activations`, of `quant.formats.quantize` and of the row kernel in
+    interpret mode, bit for bit, at E4M3 ties; IEEE division would give other codes there (which is why the kernels
+    multiply by the reciprocal too, `activations.reciprocal_products`)."""
+    from mxdit.quant.formats import quantize
 
-    rng = np.random.default_rng(0)
-    a = rng.standard_normal(3000).astype(np.float32)
-    b = (rng.standard_normal(3000) * 2.0 ** rng.integers(-30, 30, 3000)).astype(np.float32)
-    c = (-(a.astype(np.float64) * b) * (1 + rng.integers(-3, 4, 3000) * 2.0 ** -24)).astype(np.float32)
-    c[::3] = (a[::3].astype(np.float64) * b[::3]).astype(np.float32) * np.float32(-1)  # cancellation
-    got = _fma_f32(a, b, c)
-    for ai, bi, ci, gi in zip(a, b, c, got):
-        exact = Fraction(float(ai)) * Fraction(float(bi)) + Fraction(float(ci))
-        lo = np.float32(float(exact))  # within an ulp; pick the nearest of it and its neighbours exactly
-        cands = [lo, np.nextafter(lo, np.float32(np.inf)), np.nextafter(lo, np.float32(-np.inf))]
-        dist = [abs(Fraction(float(x)) - exact) for x in cands]
-        best = min(dist)
-        winners = [x for x, dd in zip(cands, dist) if dd == best]
-        if len(winners) > 1:  # a tie: the even one
-            winners = [x for x in winners if not (np.float32(x).view(np.uint32) & 1)]
-        assert gi == winners[0], (ai, bi, ci, gi, winners)
-
-
-def _hard_quotients(rng, n, step_exponents=(-92, 100)):
-    """(y, step) whose quotient lies within ~2^-48 of a float32 tie, the hardest inputs for a division: with B odd
-    and M = t / B mod 2^25 (odd, 25 bits: a tie of [0.5, 1)), A = (B M - t) / 2^25 is an integer and
-    A / B = M / 2^25 - t / (B 2^25)."""
-    ys, steps = [], []
-    while len(ys) < n:
-        bsig = int(rng.integers(2 ** 23, 2 ** 24)) | 1
-        t = int(rng.choice([-3, -1, 1, 3]))
-        m = (t * pow(bsig, -1, 2 ** 25)) % 2 ** 25
-        if m < 2 ** 24:
-            continue
-        a, rem = divmod(bsig * m - t, 2 ** 25)
-        assert rem == 0
-        if not 0 < a < 2 ** 24:
-            continue
-        # quotient A / B in [0.5, 1) times 2^e_q: in [2^-11, 448]; step in 2^step_exponents
-        e_q = int(rng.integers(-10, 9))
-        e_b = int(rng.integers(step_exponents[0] + 1, step_exponents[1] + 1))
-        sign = rng.choice([-1.0, 1.0])
-        steps.append(np.float32(bsig * 2.0 ** (e_b - 24)))
-        ys.append(np.float32(sign * a * 2.0 ** (e_b - 24 + e_q)))
-    return np.array(ys, np.float32), np.array(steps, np.float32)
-
-
-def test_markstein_quotient_equals_ieee_division():
-    """The GPU kernels' quotient (a correctly rounded reciprocal a row, two multiplies and two FMAs a value:
-    `ieee_quotients`) is IEEE float32 division's, bit for bit: on quotients next to float32 ties, on random rows
-    quantized by the rule with amax from 2^120 down to subnormals (the steps below `_MARKSTEIN_MIN_STEP` take the
-    scaled operands), and for signed zeros."""
-    rng = np.random.default_rng(1)
-    y, step = _hard_quotients(rng, 20000)
-    got, want = A.markstein_quotient(y, step, _fma_f32), y / step
-    np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
-    # the cases are hard: a multiply by the reciprocal alone (div.full.f32's method) misses many of them
-    assert np.mean(y * (np.float32(1) / step) != want) > 0.1
-    # steps of 2^-125 to 2^-90 (the scaled operands), where the unscaled residual would underflow
-    y, step = _hard_quotients(rng, 20000, step_exponents=(-125, -90))
-    want = y / step
-    np.testing.assert_array_equal(A.markstein_quotient(y, step, _fma_f32).view(np.uint32), want.view(np.uint32))
-    assert np.mean(A.markstein_quotient(y, step, _fma_f32, scale_small=False) != want) > 0  # why they are scaled
-
-    exponents = np.concatenate([rng.integers(-75, 120, 300), rng.integers(-141, -75, 300)])
-    rows = (rng.standard_normal((600, 512)) * 2.0 ** exponents[:, None]).astype(np.float32)
-    rows[:, :8] = 0.0
-    rows[:, 8:16] = -0.0
-    rows[0, 5] = np.finfo(np.float32).max
-    for i, side in ((1, 1.0), (2, 1.0 + 2.0 ** -20), (3, 1.0 - 2.0 ** -20)):  # steps at the threshold and either side
-        rows[i] = rows[i] / np.abs(rows[i]).max() * (A._MARKSTEIN_MIN_STEP * np.float32(A.FP8_MAX) * side)
-    amax = np.max(np.abs(rows), axis=1, keepdims=True)
-    step = (amax * np.float32(1.0 / A.FP8_MAX)).astype(np.float32)
-    assert (step > 0).all() and (step < 2.0 ** -126).any()  # subnormal steps among them
-    assert step[2, 0] > A._MARKSTEIN_MIN_STEP > step[3, 0]
-    got = A.markstein_quotient(rows, step, _fma_f32)
-    want = rows / step
-    np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))  # -0 stays -0
-    assert np.signbit(got[:, 8:16]).all()
+    x = _rows_at_e4m3_ties(np.random.default_rng(0))
+    amax = np.abs(x).max(axis=1, keepdims=True)
+    step = (amax * np.float32(1 / 448)).astype(np.float32)
+    want = np.clip(x * (np.float32(1) / step), -448, 448).astype(ml_dtypes.float8_e4m3fn).astype(np.float32)
+    divided = np.clip(x / step, -448, 448).astype(ml_dtypes.float8_e4m3fn).astype(np.float32)
+    assert np.mean(divided != want) > 1e-3  # the rows are hard: division rounds some the other way
+    values, scales = quantize_activations(jnp.asarray(x))
+    np.testing.assert_array_equal(np.asarray(values.astype(jnp.float32)), want)
+    np.testing.assert_array_equal(np.asarray(scales), step[:, 0])
+    q = quantize(jnp.asarray(x), "fp8_e4m3", axis=-1)
+    np.testing.assert_array_equal(np.asarray(q.data.astype(jnp.float32)), want)
+    kernel_values, _ = A.tokens_fp8(jnp.asarray(x)[None], interpret=True)
+    np.testing.assert_array_equal(np.asarray(kernel_values[0].astype(jnp.float32)), want)

@@ -72,20 +72,20 @@ def test_row_kernels_take_the_sigmoid_from_ex2_and_rcp(name):
     assert hex_float(-math.log2(math.e)) in A._SIGMOID_PTX and hex_float(1.0) in A._SIGMOID_PTX
 
 
-def test_fp8_row_quantization_divides_as_ieee_on_the_gpu():
-    """Triton's float32 `/` is PTX's approximate `div.full.f32`: the row kernels' quotients come from inline PTX
-    instead (a correctly rounded reciprocal and FMAs, `activations._QUOTIENT_PTX`), so `tokens_fp8`, which divides
-    nowhere else, lowers with no `arith.divf` at all."""
+def test_fp8_row_quantization_multiplies_by_a_correctly_rounded_reciprocal():
+    """Triton's float32 `/` is PTX's approximate `div.full.f32`: the row kernels take the scale's reciprocal from
+    `rcp.rn.f32` and multiply by it (`activations.reciprocal_products`), as XLA's composition computes, so
+    `tokens_fp8`, which divides nowhere else, lowers with no `arith.divf` at all."""
     text = lowered_text(A.tokens_fp8, ((1, 64, 256), BF16))
-    for asm in ("rcp.rn.f32", "fma.rn.f32"):
+    for asm in ("rcp.rn.f32", "mul.rn.f32"):
         assert asm in text
     assert "divf" not in text
 
 
 @pytest.mark.parametrize("permute_keys", [False, True])
-def test_v_fp8_operand_lowers_with_ieee_quotients(permute_keys):
+def test_v_fp8_operand_lowers_with_reciprocal_products(permute_keys):
     """V's FP8 operand pass (read in place from Krea 2's stacked product, a scale and a mean a channel given):
-    lowers, dividing by the channel scales with `activations.ieee_quotients`, not Triton's `/`."""
+    lowers, multiplying by the channel scales' reciprocals (`activations.reciprocal_products`), not Triton's `/`."""
     def operand(x, scale, mean, lengths):
         return attention.v_fp8_operand(x, 128, permute_keys=permute_keys, kv_lengths=lengths,
                                        scale_and_mean=(scale, mean), heads=(60, 12))[0]
@@ -93,7 +93,7 @@ def test_v_fp8_operand_lowers_with_ieee_quotients(permute_keys):
     shapes = (((1, 256, 120, 128), BF16), ((1, 12, 128), F32), ((1, 12, 128), F32), ((1,), jnp.int32))
     text = lowered_text(operand, *shapes)
     assert "xla.gpu.triton" in text
-    assert "rcp.rn.f32" in text and "fma.rn.f32" in text and "divf" not in text
+    assert "rcp.rn.f32" in text and "mul.rn.f32" in text and "divf" not in text
 
 
 @pytest.mark.parametrize("heads_per_program, split_pairs", [(1, False), (2, False), (4, False), (1, True), (4, True)])
@@ -128,9 +128,8 @@ def test_k_prologue_in_natural_channel_order_lowers(monkeypatch, v_range, k_step
     text = lowered_text(prologue, ((1, 256, 120, 128), BF16), ((2, 128), F32), ((256, 128), F32), ((256, 128), F32),
                         ((1,), jnp.int32))
     assert "xla.gpu.triton" in text
-    # K's codes from IEEE quotients rounded to even in PTX; a block's own step by div.rn (`ieee_quotients`)
-    assert "cvt.rni.f32.f32" in text and "fma.rn.f32" in text
-    assert ("div.rn.f32" in text) == (not k_steps)
+    # K's codes: products with the step's reciprocal, rounded to even in PTX (`reciprocal_products`)
+    assert "cvt.rni.f32.f32" in text and "rcp.rn.f32" in text and "mul.rn.f32" in text
 
 
 @pytest.mark.parametrize("pv", ["bf16", "fp8"])
