@@ -43,7 +43,15 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, kv_lengths: jax.Array | 
     if implementation in _INT8_KERNELS:
         return _int8_kernel("int8_attention")(q, k, v, kv_lengths=kv_lengths, out_dtype=q.dtype,
                                               **_int8_options(implementation))
+    if implementation == "cudnn" and not cudnn_takes_head_dim(q.shape[-1]):
+        implementation = "xla"  # a small model's narrow heads (a tiny fixture's text blocks): XLA's attention
     return jax.nn.dot_product_attention(q, k, v, key_value_seq_lengths=kv_lengths, implementation=implementation)
+
+
+def cudnn_takes_head_dim(head_dim: int) -> bool:
+    """cuDNN's fused attention takes head dims that are multiples of 8 up to 128 (256 on Hopper): the released
+    models' 128 always; anything else runs XLA's attention instead."""
+    return head_dim % 8 == 0 and head_dim <= 128
 
 
 def _int8_kernel(name: str):

@@ -28,6 +28,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec as P
 
+from mxdit.model.layers import attention
+
 from .mesh import BATCH_AXES
 
 SEQ = "seq"
@@ -88,7 +90,7 @@ def _ulysses_local(q, k, v, kv_lengths, *, degree: int, implementation: str):
     qkv = qkv.reshape(batch, block * degree, -1, dim)  # the whole sequence, this device's heads
     local_heads, local_kv = heads // degree, split_kv // degree
     q, k, v = jnp.split(qkv, [local_heads, local_heads + local_kv], axis=2)
-    out = jax.nn.dot_product_attention(q, k, v, key_value_seq_lengths=kv_lengths, implementation=implementation)
+    out = attention(q, k, v, kv_lengths, implementation)
     # Back: the sequence split over devices, every head here.
     return jax.lax.all_to_all(out, SEQ, split_axis=1, concat_axis=2, tiled=True)
 

@@ -261,3 +261,17 @@ def test_invalid_config_is_named(tmp_path):
     (folder / "config.json").write_text('{"attention_head_dim": 16, "axes_dims_rope": [4, 4, 4]}')
     with pytest.raises(CheckpointError, match=r"config\.json: invalid Krea2Config: sum\(axes_dims_rope\)=12"):
         Krea2Transformer.from_pretrained(folder)
+
+
+def test_cudnn_attention_leaves_heads_it_does_not_take_to_xla():
+    """cuDNN's fused attention takes head dims that are multiples of 8 (up to 128 here): the default GPU attention
+    of a model with narrower heads (the tiny fixture's text blocks, 6 wide) is XLA's, not an error."""
+    from mxdit.model.layers import attention, cudnn_takes_head_dim
+
+    assert cudnn_takes_head_dim(128) and cudnn_takes_head_dim(16)
+    assert not cudnn_takes_head_dim(6) and not cudnn_takes_head_dim(12) and not cudnn_takes_head_dim(256)
+    rng = np.random.default_rng(0)
+    q, k, v = (jnp.asarray(rng.standard_normal((1, 10, h, 6)), jnp.bfloat16) for h in (4, 2, 2))
+    lengths = jnp.asarray([7])
+    np.testing.assert_array_equal(np.asarray(attention(q, k, v, lengths, "cudnn"), np.float32),
+                                  np.asarray(attention(q, k, v, lengths, "xla"), np.float32))
