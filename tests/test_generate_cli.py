@@ -257,6 +257,7 @@ def test_quantized_checkpoint_from_quantize_py_generates_as_precision_does(tmp_p
     assert code == 2 and "none.safetensors: no such file" in captured.err
 
 
+@pytest.mark.slow  # ~35 s on 2 cores; tests/test_offload.py checks the streaming itself by default
 def test_offload_streams_blocks(tmp_path, capsys):
     out = tmp_path / "o.png"
     code, captured = run(["--model", str(FIXTURES / "krea2" / "tiny_pipeline"), "--prompt", "a cat", "--height", "64",

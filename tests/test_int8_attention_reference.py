@@ -444,7 +444,8 @@ def test_mosaic_backend_names_its_limits():
         int8_attention(q, k, v, pv="fp8", pv_accumulation="in_place")
 
 
-@pytest.mark.parametrize("kernel, head_dim", [("int8", 32), ("int8_mosaic_fp8", 64)])
+# the Mosaic kernel in a model: ~30 s on 2 cores (its interpret-mode tests above run by default)
+@pytest.mark.parametrize("kernel, head_dim", [("int8", 32), pytest.param("int8_mosaic_fp8", 64, marks=pytest.mark.slow)])
 def test_krea2_transformer_runs_on_the_int8_attention_kernel(kernel, head_dim):
     """The model switch: `attention="int8"` (or "int8_mosaic_fp8": the Hopper kernel, FP8 P.V) takes the Pallas
     kernel (interpret mode on the CPU) in every block, and the velocity stays within the INT8-QK error of exact

@@ -126,6 +126,7 @@ def test_resume_is_exact(trained, pipe, photos, cache, tmp_path):
         np.testing.assert_array_equal(files[0][key], files[1][key])
 
 
+@pytest.mark.slow  # ~35 s on 2 cores
 def test_gradient_accumulation_equals_one_big_batch(trained, pipe, photos, cache):
     """At the LoRA weights `trained` ended with: 4 micro-batches of 1 against one batch of 4, same examples, same
     noise and timesteps. Equal up to float32 rounding: the batch's LoRA weight gradients are reductions over

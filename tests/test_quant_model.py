@@ -112,6 +112,7 @@ def test_quantize_script_writes_a_loadable_checkpoint_and_keeps_existing_files(t
     assert "already exists" in capsys.readouterr().err and out.read_bytes() == before
 
 
+@pytest.mark.slow  # ~1.5 min on 2 cores
 def test_quality_table_on_a_one_block_demo_model(tmp_path):
     """eval_quality --activations --kernels --attention: per format the weight-only row, the W+A simulation, the
     inference path (GEMM kernels' numerics) and that path with the INT8 attention (FP8 P.V, Triton in interpret

@@ -74,6 +74,7 @@ def test_generate_refuses_a_bad_mesh_in_one_line(tmp_path, capsys):
     assert "--mesh: mesh 'data=2,sequence=4': unknown axis 'sequence'" in err
 
 
+@pytest.mark.slow  # ~2 min on 2 cores
 def test_multi_device_checks_on_8_simulated_devices():
     """Runs tests/sharding_multidevice.py in a child process: sharded steps equal unsharded ones (seq 2/4/8, ring,
     cfg 2, data 2, FSDP weights), the Ulysses HLO all-to-all count, ring/Ulysses attention, the sharded pipeline and
