@@ -156,12 +156,20 @@ def fp8_input_backend(*layers: "Linear") -> str | None:
 def fused_fp8_producer(name: str, backend: str):
     """`pallas_kernels.activations.<name>` ("modulated_rms_norm_fp8", "modulated_layer_norm_fp8", "swiglu_fp8",
     "tokens_fp8", "sigmoid_gated_fp8") for `backend`: the kernel under its own jit on the GPU (see
-    `_jitted_kernel`), the jnp reference elsewhere."""
-    if backend == "triton":
-        return functools.partial(_jitted_kernel(name), backend="triton")
+    `_jitted_kernel`), the jnp reference elsewhere and for rows the kernel does not take (a small model's widths
+    that 16 does not divide: the same values)."""
     from mxdit.pallas_kernels import activations
 
-    return functools.partial(getattr(activations, name), backend=backend)
+    if backend != "triton":
+        return functools.partial(getattr(activations, name), backend=backend)
+    kernel = functools.partial(_jitted_kernel(name), backend="triton")
+    reference = functools.partial(getattr(activations, name), backend="reference")
+
+    def produce(x, *args, **kwargs):
+        width = x.shape[-1] // 2 if name == "swiglu_fp8" else x.shape[-1]  # swiglu: [gate | up]
+        return (kernel if activations.kernel_takes_row(width) else reference)(x, *args, **kwargs)
+
+    return produce
 
 
 class Linear(nnx.Module):

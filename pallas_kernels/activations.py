@@ -54,6 +54,11 @@ ROWS_PER_PROGRAM = {"modulated_rms_norm_fp8": 8, "modulated_layer_norm_fp8": 8, 
 NORM_PREFETCH = True
 
 
+def kernel_takes_row(d: int) -> bool:
+    """Whether the kernels take rows of d values: a power-of-two chunk of at least 16 must divide d."""
+    return d % 16 == 0
+
+
 def _chunk(d: int) -> int:
     c = CHUNK
     while d % c:

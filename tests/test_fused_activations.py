@@ -224,3 +224,17 @@ def test_fp8_rows_are_values_times_the_reciprocal_on_every_path():
     np.testing.assert_array_equal(np.asarray(q.data.astype(jnp.float32)), want)
     kernel_values, _ = A.tokens_fp8(jnp.asarray(x)[None], interpret=True)
     np.testing.assert_array_equal(np.asarray(kernel_values[0].astype(jnp.float32)), want)
+
+
+def test_models_take_the_composition_for_rows_the_kernels_do_not_take():
+    """A row width 16 does not divide (the tiny Krea 2 fixture's 24-wide text blocks) has no kernel: the models'
+    producer gives the composition's values instead of the kernel's error."""
+    from mxdit.model.layers import fused_fp8_producer
+
+    assert A.kernel_takes_row(6144) and A.kernel_takes_row(16) and not A.kernel_takes_row(24)
+    out, _, _, _ = _inputs(24)
+    stacked = jnp.concatenate([out, -out, out], axis=-1)
+    got = fused_fp8_producer("sigmoid_gated_fp8", "triton")(out, stacked, gate_offset=24)
+    _same(got, A.sigmoid_gated_fp8(out, stacked, 24, backend="reference"))
+    gate_up = jnp.concatenate([out, out], axis=-1)
+    _same(fused_fp8_producer("swiglu_fp8", "triton")(gate_up), A.swiglu_fp8(gate_up, backend="reference"))
