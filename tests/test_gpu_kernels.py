@@ -57,6 +57,15 @@ def _gemm_operands(m, k, n, seed=0):
     return x, w, extras
 
 
+def _mosaic_bound(fmt: str, scaling: str) -> float:
+    """The Hopper kernel's distance from the float32 definition: wgmma's FP8 products accumulate with less than
+    float32's precision (measured on an H100: ~7e-5 relative L2 a 128-wide K step, growing with K). Block and MX
+    scales promote each 128-wide step to float32 in the kernel (measured 3.0e-5 to 1.3e-4); FP8 weights with
+    channel scales under token-scaled activations keep all of K in one accumulator (1.1e-4 at K 256, 3.1e-4 to
+    5.5e-4 at K 1024). Either is far below FP8's own rounding (~3e-2)."""
+    return 1e-3 if (fmt, scaling) == ("fp8_e4m3", "token") else 3e-4
+
+
 def _gemm_check(record_property, backend, fmt, scaling, shape, epilogue, config=None, out_dtype=jnp.float32):
     _require_hopper(backend)
     m, k, n = GEMM_SHAPES[shape]
@@ -84,16 +93,17 @@ def _gemm_check(record_property, backend, fmt, scaling, shape, epilogue, config=
 def test_mosaic_gemm_matches_the_definition(record_property, fmt, scaling, shape):
     """The Hopper kernel with the models' default tiles (`default_mosaic_config`) for every FP8/MX weight format
     and activation scaling, the whole epilogue, float32 output: the reference's function of the same quantized
-    operands, up to the order of the float32 sums (wgmma accumulates each 128-wide K step; the kernel adds the
-    steps)."""
-    assert _gemm_check(record_property, "mosaic", fmt, scaling, shape, "bias+gelu+gate+residual") <= 2e-6
+    operands, up to wgmma's FP8 accumulation (`_mosaic_bound`)."""
+    error = _gemm_check(record_property, "mosaic", fmt, scaling, shape, "bias+gelu+gate+residual")
+    assert error <= _mosaic_bound(fmt, scaling)
 
 
 @pytest.mark.parametrize("epilogue", list(EPILOGUES))
 @pytest.mark.parametrize("scaling", ["token", "block"])
 def test_mosaic_gemm_epilogues(record_property, scaling, epilogue):
     """Each epilogue alone (the fast sigmoid of GELU and SiLU among them), channel and block scales."""
-    assert _gemm_check(record_property, "mosaic", "fp8_e4m3", scaling, "m4224", epilogue) <= 2e-6
+    assert _gemm_check(record_property, "mosaic", "fp8_e4m3", scaling, "m4224", epilogue) <= _mosaic_bound(
+        "fp8_e4m3", scaling)
 
 
 @pytest.mark.parametrize("fmt", ["fp8_e4m3", "mxfp6_e2m3"])
@@ -116,7 +126,8 @@ def test_mosaic_gemm_in_bf16_as_the_models_call_it(record_property, fmt):
 def test_mosaic_gemm_tile_variants(record_property, config, fmt, scaling):
     """The tilings the defaults pick for other shapes, and clusters of two CTAs sharing x by TMA multicast
     (`cluster_n=2`, never run in interpret mode)."""
-    assert _gemm_check(record_property, "mosaic", fmt, scaling, "m4224", "bias+gelu+gate+residual", config) <= 2e-6
+    error = _gemm_check(record_property, "mosaic", fmt, scaling, "m4224", "bias+gelu+gate+residual", config)
+    assert error <= _mosaic_bound(fmt, scaling)
 
 
 @pytest.mark.parametrize("epilogue", ["bias+gelu+gate+residual", "bias+silu"])
@@ -143,7 +154,7 @@ def test_swiglu_epilogue_matches_the_definition(record_property, backend):
     ref = gemm.scaled_matmul_reference(xq, xs, paired, activation="swiglu", out_dtype=jnp.float32)
     error = relative_l2(np.asarray(y), np.asarray(ref))
     record_property("relative_l2", error)
-    assert y.shape == (m, n) and error <= 2e-6
+    assert y.shape == (m, n) and error <= (_mosaic_bound("fp8_e4m3", "token") if backend == "mosaic" else 2e-6)
 
 
 # -- the FP8 row kernels ----------------------------------------------------------------------------------------------
@@ -180,8 +191,10 @@ ROW_SHAPES = {"krea2": (1, 4224, 6144), "odd": (2, 40, 96)}
 @pytest.mark.parametrize("shape", list(ROW_SHAPES))
 @pytest.mark.parametrize("norm", ["rms", "layer"])
 def test_modulated_norm_kernels_give_the_codes_of_the_composition(record_property, norm, shape):
-    """The adaptive RMSNorm (Krea 2) and LayerNorm (FLUX.1) with FP8 outputs: the same E4M3 codes and per-token
-    scales, bit for bit, as XLA's composition of the models' arithmetic (IEEE quotients in the kernel)."""
+    """The adaptive RMSNorm (Krea 2) and LayerNorm (FLUX.1) with FP8 outputs: the E4M3 codes and per-token scales of
+    XLA's composition of the models' arithmetic on the same GPU (measured: equal scales, 4e-8 to 2e-7 of the codes
+    a step apart at Krea 2's width). On the CPU XLA sums a row's 6144 squares in another order, so every scale
+    there is an ulp or so away and 5.8% of the codes a step (recorded, not asserted; equal at the small width)."""
     x, w, scale, shift = _row_inputs(*ROW_SHAPES[shape])
     if norm == "rms":
         fn = lambda backend: lambda x, w, a, b: A.modulated_rms_norm_fp8(x, w, a, b, 1e-6, backend=backend)
@@ -190,10 +203,12 @@ def test_modulated_norm_kernels_give_the_codes_of_the_composition(record_propert
         fn = lambda backend: lambda x, a, b: A.modulated_layer_norm_fp8(x, a, b, 1e-6, backend=backend)
         args = (x, scale, shift)
     kernel = jax.jit(fn("triton"))(*args)
-    got, want = _codes_check(record_property, kernel, {"cpu": _on_cpu(fn("reference"), *args),
-                                                       "gpu": jax.jit(fn("reference"))(*args)})
-    np.testing.assert_array_equal(got[0], want[0])
-    np.testing.assert_array_equal(got[1], want[1])
+    on_gpu = [np.asarray(a.astype(jnp.float32)) for a in jax.jit(fn("reference"))(*args)]
+    got, _ = _codes_check(record_property, kernel, {"cpu": _on_cpu(fn("reference"), *args), "gpu": on_gpu})
+    differ = got[0] != on_gpu[0]
+    assert differ.mean() <= 1e-6
+    assert (np.abs(got[0] - on_gpu[0])[differ] <= 2.0**-2 * np.maximum(np.abs(on_gpu[0][differ]), 2.0**-9)).all()
+    np.testing.assert_array_equal(got[1], on_gpu[1])
 
 
 @pytest.mark.parametrize("shape", list(ROW_SHAPES))
@@ -258,7 +273,10 @@ ATTENTION_KERNELS = [("triton", "bf16", "two_level"), ("triton", "fp8", "two_lev
 @pytest.mark.parametrize("backend,pv,accumulation", ATTENTION_KERNELS)
 def test_int8_attention_kernel_matches_the_reference(record_property, backend, pv, accumulation, d):
     """The kernels on already normed Q and K: the reference's function (the same INT8 blocks, the same P.V
-    precision), up to the online softmax's rounding; and as close to exact attention as the reference is."""
+    precision), up to the online softmax's rounding; and as close to exact attention as the reference is. With FP8
+    P.V the two round different P to E4M3 (the reference the normalised softmax, the kernels each block's
+    exponentials under the running maximum), so they agree only to about half of FP8's own error (measured on an
+    H100: 0.016-0.019 apart, each 0.033-0.040 from exact attention, the kernels the closer)."""
     _require_hopper(backend)
     (q, k, v), _, _, _, lengths = _attention_inputs(0, d=d, dtype=jnp.float32)
     block_k = 128 if backend == "mosaic" else 64
@@ -273,7 +291,7 @@ def test_int8_attention_kernel_matches_the_reference(record_property, backend, p
     record_property("relative_l1_vs_exact", of_kernel)
     record_property("reference_vs_exact", of_ref)
     assert np.isfinite(np.asarray(out)).all()
-    assert error <= {"bf16": 3e-3, "fp8": 6e-3}[pv]
+    assert error <= {"bf16": 3e-3, "fp8": 2.5e-2}[pv]  # measured 1.2e-3 and 0.019 at most
     assert of_kernel <= 1.05 * of_ref
 
 
