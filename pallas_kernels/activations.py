@@ -19,11 +19,14 @@ composition in jnp (what runs off the GPU, and what the tests compare the kernel
 kernel (Triton lowering: a program per row, or per few rows one after the other, `ROWS_PER_PROGRAM`; rows that
 a power-of-two chunk of 16 to 2048 values divides).
 
-The kernels' codes are those of the composition as XLA computes it on the CPU (values times the scale's reciprocal,
-`reciprocal_products`), bit for bit; the sigmoid kernels up to rare ties of their approximate sigmoid (the GPU tier,
-`tests/test_gpu_kernels.py`). XLA's own composition on the GPU keeps bf16 intermediates in float32 (its default
-excess precision), so it differs from both by code flips at FP8 rounding boundaries, each within a step. Times:
-the norm at Krea 2's 4224 x 6144 in about half the composition's, SwiGLU at 4224 x 32768 in about 60% (NOTES.md).
+The kernels' codes are those of the composition (values times the scale's reciprocal, `reciprocal_products`), as
+the GPU tier measured on an H100 at Krea 2's 4224 x 6144 (`tests/test_gpu_kernels.py`): `tokens_fp8`, `swiglu_fp8`
+and `sigmoid_gated_fp8` equal to XLA's composition on the CPU bit for bit (the sigmoid's approximation may in
+principle flip a code at a bf16 tie); the adaptive norms equal to XLA's composition on the GPU in every scale and
+all but 2e-7 of the codes (on the CPU XLA sums a row's squares in another order: scales an ulp apart). XLA's own
+SwiGLU and gate on the GPU keep bf16 intermediates in float32 (its default excess precision), so they differ from
+both by code flips at FP8 rounding boundaries, each within a step. Times: the norm at 4224 x 6144 in about half the
+composition's, SwiGLU at 4224 x 32768 in about 60% (NOTES.md).
 """
 
 from __future__ import annotations
