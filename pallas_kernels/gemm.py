@@ -903,11 +903,11 @@ def scaled_matmul(x: jax.Array, w: GemmWeight, x_scale: jax.Array | None = None,
                          f"{w.layout!r} runs on backend='triton'")
     x_blocks, w_blocks = x_scale.ndim == 2, w.layout == "block"
     ws = w.scale
-    if config is None:
-        config = _fit_shared_memory(default_mosaic_config(m, w.n, w.k, x_blocks or w_blocks, residual is not None),
-                                    jnp.dtype(out_dtype).itemsize, block_scaled=x_blocks or w_blocks,
-                                    swiglu_width=w.swiglu_width,
-                                    col_vectors=max((not w_blocks) + (bias is not None) + (gate is not None), 1))
+    # A given config is fitted too: tiles tuned for bf16 outputs stage twice the bytes for float32 ones.
+    config = config or default_mosaic_config(m, w.n, w.k, x_blocks or w_blocks, residual is not None)
+    config = _fit_shared_memory(config, jnp.dtype(out_dtype).itemsize, block_scaled=x_blocks or w_blocks,
+                                swiglu_width=w.swiglu_width,
+                                col_vectors=max((not w_blocks) + (bias is not None) + (gate is not None), 1))
     # The kernel takes whole tiles: pad rows and columns (cheap next to the product for DiT shapes, which need none).
     cta_m, tn = config.compute_wgs * config.tile_m, config.tile_n * config.cluster_n
     pm, pn = (-m) % cta_m, (-w.n) % tn
