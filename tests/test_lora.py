@@ -126,6 +126,7 @@ def test_quantized_frozen_base_trains_the_adapters_only():
     np.testing.assert_array_equal(restored.scale, weight.scale)
 
 
+@pytest.mark.slow  # ~30 s on 2 cores; test_flux_remat_changes_memory_not_the_gradients runs by default
 def test_remat_policies_give_the_same_loss_and_gradients():
     model = make_model()
     add_lora(model, LoraConfig(rank=4))

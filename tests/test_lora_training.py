@@ -160,6 +160,7 @@ def test_gradient_accumulation_equals_one_big_batch(trained, pipe, photos, cache
     assert relative_l2(params_a, params_b) <= 5e-6
 
 
+@pytest.mark.slow  # ~30 s on 2 cores
 def test_training_draws_batches_from_every_bucket(pipe, photos, cache, tmp_path):
     """A training step compiles for each bucket's shape: here on a transformer of one joint, one layerwise and one
     refiner block, with the module's text encoder and VAE (so its cached latents and text states)."""
