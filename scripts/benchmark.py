@@ -664,11 +664,13 @@ def jax_krea2_pipeline(args) -> list[dict]:
     cache = "from the compile cache" if cache_dir and any(Path(cache_dir).iterdir()) else "compiles"
     t0 = time.perf_counter()
     rngs = nnx.Rngs(0)
+    with tempfile.TemporaryDirectory(prefix="mxdit-bench-tokenizer-") as folder:  # read whole, then removed
+        tokenizer = TextTokenizer.from_folder(save_demo_tokenizer(folder))
     pipe = Krea2Pipeline(
         Krea2Transformer(_config(args), dtype=jnp.bfloat16, rngs=rngs),
         QwenImageVAE(QwenImageVAEConfig(), dtype=jnp.bfloat16, rngs=rngs),
         Qwen3VLTextEncoder(Qwen3VLTextConfig(**QWEN3VL_4B_TEXT), dtype=jnp.bfloat16, rngs=rngs),
-        TextTokenizer.from_folder(save_demo_tokenizer(tempfile.mkdtemp())),
+        tokenizer,
         Krea2PipelineConfig(is_distilled=True),
     )
     jax.block_until_ready(nnx.state(pipe.transformer))
@@ -721,7 +723,8 @@ def diffusers_krea2_pipeline(args) -> list[dict]:
     for module in transformer.modules():
         if isinstance(module, Krea2RMSNorm):
             module.float()
-    tokenizer = PreTrainedTokenizerFast.from_pretrained(save_demo_tokenizer(tempfile.mkdtemp()))
+    with tempfile.TemporaryDirectory(prefix="mxdit-bench-tokenizer-") as folder:
+        tokenizer = PreTrainedTokenizerFast.from_pretrained(save_demo_tokenizer(folder))
     scheduler = FlowMatchEulerDiscreteScheduler(use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15,
                                                 base_image_seq_len=256, max_image_seq_len=6400)
     pipe = Krea2Pipeline(scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer,
@@ -766,10 +769,10 @@ def krea2_pipeline(args) -> None:
     rows = _subprocess_rows(args, "krea2-pipeline-diffusers", forwarded) if args.diffusers else []
     ours = forwarded + ["--precisions", *args.precisions, "--jax-attention", *args.jax_attention]
     ours += [] if args.trim_text else ["--no-trim-text"]
-    cache = {"JAX_COMPILATION_CACHE_DIR": tempfile.mkdtemp(prefix="mxdit-bench-cache-"),
-             "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0.5"}
-    for _ in range(2 if args.cached_too else 1):  # the second process finds what the first compiled
-        rows += _subprocess_rows(args, "krea2-pipeline-jax", ours, env=cache)
+    with tempfile.TemporaryDirectory(prefix="mxdit-bench-cache-") as cache_dir:
+        cache = {"JAX_COMPILATION_CACHE_DIR": cache_dir, "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0.5"}
+        for _ in range(2 if args.cached_too else 1):  # the second process finds what the first compiled
+            rows += _subprocess_rows(args, "krea2-pipeline-jax", ours, env=cache)
     print(f"\nKrea 2 Turbo pipeline, {args.height}x{args.width}, {args.steps} steps, random full-size bf16 weights")
     print(f"{'run':<34}{'text encode':>12}{'denoise':>9}{'decode':>8}{'total':>8}")
     for r in rows:
