@@ -731,12 +731,7 @@ def _triton_gemm(x, x_scale, w: GemmWeight, bias, residual, gate, *, activation,
     bm, bn = min(config.block_m, _pow2_at_least(m)), min(config.block_n, _pow2_at_least(n))
     # The Triton lowering masks no load or store: a tile reaching past the arrays would read and write past them, so
     # every operand is padded to whole tiles (DiT shapes need none) and the result cut back.
-    pm, pn = (-m) % bm, (-n) % bn
-    if pm or pn:
-        x, x_scale, w, bias, residual, gate = _pad_to_tiles(x, x_scale, w, bias, residual, gate, pm, pn)
-        y = _triton_gemm(x, x_scale, w, bias, residual, gate, activation=activation, out_dtype=out_dtype,
-                         config=config, interpret=interpret)
-        return y[:m, :n]
+    x, x_scale, w, bias, residual, gate = _pad_to_tiles(x, x_scale, w, bias, residual, gate, (-m) % bm, (-n) % bn)
     k_iters = k // BLOCK_K
     x_blocks = x_scale.ndim == 2
     int8 = jnp.dtype(x.dtype) == jnp.int8
@@ -798,7 +793,7 @@ def _triton_gemm(x, x_scale, w: GemmWeight, bias, residual, gate, *, activation,
                       res_ref[...] if has_res else None, gate_ref[...] if has_gate else None)
         o_ref[...] = y.astype(o_ref.dtype)
 
-    grid = (pl.cdiv(m, bm), pl.cdiv(n, bn))
+    grid = (x.shape[0] // bm, w.n // bn)
     row_k = pl.BlockSpec((bm, k), lambda i, j: (i, 0))
     dummy = jnp.zeros((1,), jnp.float32)
     any_spec = pl.BlockSpec((1,), lambda i, j: (0,))
@@ -815,9 +810,9 @@ def _triton_gemm(x, x_scale, w: GemmWeight, bias, residual, gate, *, activation,
     hb_spec = pl.BlockSpec((bn, hb.shape[1]), lambda i, j: (j, 0)) if w.high_bits is not None else any_spec
     vec_n = pl.BlockSpec((bn,), lambda i, j: (j,))
     tile = pl.BlockSpec((bm, bn), lambda i, j: (i, j))
-    return pl.pallas_call(
+    y = pl.pallas_call(
         kernel,
-        out_shape=jax.ShapeDtypeStruct((m, n), out_dtype),
+        out_shape=jax.ShapeDtypeStruct((x.shape[0], w.n), out_dtype),
         grid=grid,
         in_specs=[row_k, xs_spec, w_spec, ws_spec, hb_spec, vec_n if has_bias else any_spec,
                   tile if has_res else any_spec, vec_n if has_gate else any_spec],
@@ -826,6 +821,7 @@ def _triton_gemm(x, x_scale, w: GemmWeight, bias, residual, gate, *, activation,
         interpret=interpret,
     )(x, x_scale, w.data, w.scale, hb, bias if has_bias else dummy, residual if has_res else dummy,
       gate if has_gate else dummy)
+    return y[:m, :n]
 
 
 def _pad_to_tiles(x, x_scale, w: GemmWeight, bias, residual, gate, pm: int, pn: int):
@@ -902,7 +898,6 @@ def scaled_matmul(x: jax.Array, w: GemmWeight, x_scale: jax.Array | None = None,
         raise ValueError(f"the Mosaic GPU kernel takes FP8 operands (wgmma has no INT8 here); {w.fmt} in layout "
                          f"{w.layout!r} runs on backend='triton'")
     x_blocks, w_blocks = x_scale.ndim == 2, w.layout == "block"
-    ws = w.scale
     # A given config is fitted too: tiles tuned for bf16 outputs stage twice the bytes for float32 ones.
     config = config or default_mosaic_config(m, w.n, w.k, x_blocks or w_blocks, residual is not None)
     config = _fit_shared_memory(config, jnp.dtype(out_dtype).itemsize, block_scaled=x_blocks or w_blocks,
@@ -910,19 +905,10 @@ def scaled_matmul(x: jax.Array, w: GemmWeight, x_scale: jax.Array | None = None,
                                 col_vectors=max((not w_blocks) + (bias is not None) + (gate is not None), 1))
     # The kernel takes whole tiles: pad rows and columns (cheap next to the product for DiT shapes, which need none).
     cta_m, tn = config.compute_wgs * config.tile_m, config.tile_n * config.cluster_n
-    pm, pn = (-m) % cta_m, (-w.n) % tn
-    data = w.data
-    if pm:
-        x = jnp.pad(x, ((0, pm), (0, 0)))
-        x_scale = jnp.pad(x_scale, ((0, 0), (0, pm)) if x_scale.ndim == 2 else ((0, pm),), constant_values=1.0)
-        residual = None if residual is None else jnp.pad(residual, ((0, pm), (0, 0)))
-    if pn:
-        data = jnp.pad(data, ((0, pn), (0, 0)))
-        ws = jnp.pad(ws, ((0, 0), (0, pn)) if ws.ndim == 2 else ((0, pn),), constant_values=1.0)
-        bias = None if bias is None else jnp.pad(bias, (0, pn))
-        gate = None if gate is None else jnp.pad(gate, (0, pn))
-        residual = None if residual is None else jnp.pad(residual, ((0, 0), (0, pn)))
-    y = _mosaic_gemm(x, x_scale.astype(jnp.float32), data, ws.astype(jnp.float32), bias, residual, gate,
+    n = w.n
+    x, x_scale, w, bias, residual, gate = _pad_to_tiles(x, x_scale, w, bias, residual, gate, (-m) % cta_m,
+                                                        (-n) % tn)
+    y = _mosaic_gemm(x, x_scale.astype(jnp.float32), w.data, w.scale.astype(jnp.float32), bias, residual, gate,
                      x_blocks=x_blocks, w_blocks=w_blocks, activation=activation, out_dtype=out_dtype, config=config,
                      w_scale_rows=w.scale_rows, swiglu_width=w.swiglu_width, interpret=interpret)
-    return y[:m, : w.n // 2 if w.swiglu_width else w.n]
+    return y[:m, : n // 2 if w.swiglu_width else n]
