@@ -63,11 +63,11 @@ def kernel_takes_row(d: int) -> bool:
 
 
 def _chunk(d: int) -> int:
+    if not kernel_takes_row(d):
+        raise ValueError(f"row length {d} needs a power-of-two divisor of at least 16")
     c = CHUNK
     while d % c:
         c //= 2
-    if c < 16:
-        raise ValueError(f"row length {d} needs a power-of-two divisor of at least 16")
     return c
 
 
