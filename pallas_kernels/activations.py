@@ -2,9 +2,8 @@
 
 A quantized GEMM takes its activations as FP8 E4M3 values with one float32 scale per token
 (`gemm.quantize_activations`). Computed apart, the quantization reads the activations twice (the row's amax, then the
-values) after the producer wrote them: on a Krea 2 block at 4224 tokens the profile shows ~95 us for RMSNorm +
-modulation + quantization and ~225 us for SwiGLU + quantization (NOTES.md, session 5), several passes over tensors of
-52-277 MB. Here each row is read once, kept in registers, and written once as FP8:
+values) after the producer wrote them: several passes over tensors of 52-277 MB on a Krea 2 block. Here each row is
+read once, kept in registers, and written once as FP8:
 
 - `modulated_rms_norm_fp8`: `(1 + scale) * rmsnorm(x) + shift` (the DiT's adaptive norm before attention and SwiGLU);
   `modulated_layer_norm_fp8`: FLUX.1's, with LayerNorm.
@@ -16,8 +15,8 @@ modulation + quantization and ~225 us for SwiGLU + quantization (NOTES.md, sessi
 Each computes what the models compute, in their order and rounding (float32 norm cast to x's dtype; modulation in x's
 dtype; SwiGLU rounded as PyTorch rounds it), then `gemm.quantize_activations`' rule. `backend="reference"` is that
 composition in jnp (what runs off the GPU, and what the tests compare the kernel with); `backend="triton"` the Pallas
-kernel (Triton lowering: a program per row, or per few rows one after the other, `ROWS_PER_PROGRAM`; rows that
-a power-of-two chunk of 16 to 2048 values divides).
+kernel (Triton lowering: a program per row, or per few rows one after the other, `rows_per_program`, by default
+`default_rows_per_program`'s; rows that a power-of-two chunk of 16 to 2048 values divides).
 
 The kernels' codes are those of the composition (values times the scale's reciprocal, `reciprocal_products`), as
 the GPU tier measured on an H100 at Krea 2's 4224 x 6144 (`tests/test_gpu_kernels.py`): `tokens_fp8`, `swiglu_fp8`
@@ -25,8 +24,7 @@ and `sigmoid_gated_fp8` equal to XLA's composition on the CPU bit for bit (the s
 principle flip a code at a bf16 tie); the adaptive norms equal to XLA's composition on the GPU in every scale and
 all but 2e-7 of the codes (on the CPU XLA sums a row's squares in another order: scales an ulp apart). XLA's own
 SwiGLU and gate on the GPU keep bf16 intermediates in float32 (its default excess precision), so they differ from
-both by code flips at FP8 rounding boundaries, each within a step. Times: the norm at 4224 x 6144 in about half the
-composition's, SwiGLU at 4224 x 32768 in about 60% (NOTES.md).
+both by code flips at FP8 rounding boundaries, each within a step. docs/kernels/fp8_rows.md has their times.
 """
 
 from __future__ import annotations
@@ -37,24 +35,20 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .gemm import BLOCK_K, quantize_activations
+from .numerics import BLOCK_K, FP8_MAX, ptx_f32, quantize_activations, reciprocal_products, round_to, swiglu
 
-FP8_MAX = 448.0
 CHUNK = 2048  # the widest power of two a row is loaded in (Triton's loads take power-of-two sizes)
-# Rows a program at most (`rows_per_program=None`: the largest power of two dividing the sequence up to this). The
-# adaptive norm at Krea 2's 4224 x 6144 alone at the power cap (session 16, `probes/s16_norm.py`; each program reads
-# the norm's vectors, 4x a row's bytes, so more rows a program read them fewer times): 49.4 / 43.3 / 40.7 / 39.5 /
-# 38.8 / 60.7 us and 30.2 / 24.9 / 22.9 / 21.9 / 21.3 / 23.4 mJ at 1 / 2 / 4 / 8 / 16 / 32 rows (32: 132 programs,
-# one wave, too few in flight); in the fp8 step (A B B A) 8 rows 0.1040 s against 0.1046-0.1047 with one, 32 0.1050.
-# `tokens_fp8` and `sigmoid_gated_fp8`, which read no vectors, ran slower with more rows (alone at the cap: 58.3 /
-# 63.3 / 68.3 / 68.8 us and 42.0 / 42.8 / 48.6 / 47.4 us at 1 / 2 / 4 / 8), and no faster with 4 or 16 warps.
-ROWS_PER_PROGRAM = {"modulated_rms_norm_fp8": 8, "modulated_layer_norm_fp8": 8, "swiglu_fp8": 1, "tokens_fp8": 1,
-                    "sigmoid_gated_fp8": 1}
-# The adaptive norms' row loop loads row r + 1 before it works on row r (a program's rows otherwise wait for each
-# load in turn: latency, not bandwidth, bounds a program of several rows). Alone at the cap (session 17, 8 rows,
-# 4224 x 6144): 39.5 -> 35.4 us a call, the same codes and scales, the same energy (~22 mJ); the fp8 step A B B A
-# showed no difference (0.10346 / 0.10333 / 0.10298 / 0.10266 s without / with / with / without).
-NORM_PREFETCH = True
+
+
+def default_rows_per_program(name: str, seq: int) -> int:
+    """Rows a program of kernel `name` runs through by default: the largest power of two dividing the sequence
+    length up to 8 for the adaptive norms (each program reads the norm's vectors, four times a row's bytes, so more
+    rows a program read them fewer times; 16 and more leave too few programs in flight), 1 for the others, which
+    read no vectors and measured slower with more (docs/kernels/fp8_rows.md)."""
+    rows = 8 if name in ("modulated_rms_norm_fp8", "modulated_layer_norm_fp8") else 1
+    while seq % rows:
+        rows //= 2
+    return rows
 
 
 def kernel_takes_row(d: int) -> bool:
@@ -71,28 +65,12 @@ def _chunk(d: int) -> int:
     return c
 
 
-def _round(x: jax.Array, dtype) -> jax.Array:
-    """x rounded to `dtype` and back to float32: the rounding a model step in `dtype` applies."""
-    return x.astype(dtype).astype(jnp.float32)
-
-
 # The row kernels' sigmoid on the GPU: 1 / (1 + 2^(-x log2 e)) from `ex2.approx.ftz` and `rcp.approx.ftz`, as the
-# GEMM epilogue's (`gemm._fast_sigmoid`; relative error ~2^-21 before the bf16 rounding the models apply). Triton
-# lowers `1 / (1 + jnp.exp(-x))` to libdevice's expf and `div.full.f32` with their range handling: in SASS
-# (NOTES.md, session 20) `sigmoid_gated_fp8` took 825 instructions a program (24 values a thread), 482 this way.
+# GEMM epilogue's (`gemm.mosaic._fast_sigmoid`; relative error ~2^-21 before the bf16 rounding the models apply).
+# Triton lowers `1 / (1 + jnp.exp(-x))` to libdevice's expf and `div.full.f32` with their range handling: about
+# twice the instructions.
 _SIGMOID_PTX = ("{ .reg .f32 e; mul.f32 e, $1, 0fBFB8AA3B; ex2.approx.ftz.f32 e, e; add.f32 e, e, 0f3F800000; "
                 "rcp.approx.ftz.f32 $0, e; }")  # 0fBFB8AA3B: float32(-log2 e)
-
-
-def ptx_f32(code: str, *args) -> jax.Array:
-    """Inline PTX inside a Triton kernel, a float32 result a value: `code` reads $1... (args, float32, broadcast to
-    the first one's shape) and writes $0."""
-    from jax.experimental.pallas import triton as pltriton
-
-    shape = args[0].shape
-    return pltriton.elementwise_inline_asm(
-        code, args=[jnp.broadcast_to(a, shape) for a in args], constraints="=r" + ",r" * len(args), pack=1,
-        result_shape_dtypes=[jax.ShapeDtypeStruct(shape, jnp.float32)])[0]
 
 
 def _sigmoid(x: jax.Array, interpret: bool) -> jax.Array:
@@ -124,19 +102,10 @@ def modulated_layer_norm(x, scale, shift, eps: float):
     return norm * (1 + scale) + shift
 
 
-def swiglu(gate_up: jax.Array) -> jax.Array:
-    """`silu(gate) * up` of the stacked product [gate | up] along the last axis, rounded to its dtype after silu and
-    after the product, each computed in float32: PyTorch's arithmetic for bf16 tensors (diffusers' model). XLA's bf16
-    `jax.nn.silu` rounds differently (its logistic), so the models' unfused path agrees with this to bf16 rounding."""
-    gate, up = jnp.split(gate_up.astype(jnp.float32), 2, axis=-1)
-    silu = _round(gate * jax.nn.sigmoid(gate), gate_up.dtype)
-    return (silu * up).astype(gate_up.dtype)
-
-
 def sigmoid_gated(out: jax.Array, gate: jax.Array) -> jax.Array:
     """`out * sigmoid(gate)` rounded to out's dtype after the sigmoid and after the product, each in float32
     (PyTorch's arithmetic, as `swiglu`)."""
-    g = _round(jax.nn.sigmoid(gate.astype(jnp.float32)), out.dtype)
+    g = round_to(jax.nn.sigmoid(gate.astype(jnp.float32)), out.dtype)
     return (out.astype(jnp.float32) * g).astype(out.dtype)
 
 
@@ -157,7 +126,7 @@ def modulated_rms_norm_fp8(x, norm_weight, scale, shift, eps: float, *, backend:
     d' = d padded to a multiple of 128 with zeros (as `gemm.quantize_activations` gives the GEMM its input).
     x (batch, seq, d) in a 16- or 32-bit float; norm_weight (d,); scale, shift (batch, 1, d) or (1, 1, d).
     `rows_per_program`: rows a program runs through one after the other, the norm's vectors loaded once for them
-    (a power of two dividing seq; None: `ROWS_PER_PROGRAM`'s, see there)."""
+    (a power of two dividing seq; None: `default_rows_per_program`'s)."""
     if backend == "reference":
         return _quantized_rows(modulated_rms_norm(x, norm_weight, *_modulation(x, scale, shift), eps))
     return _modulated_norm_fp8("modulated_rms_norm_fp8", x, norm_weight, scale, shift, eps, False, backend, interpret,
@@ -186,9 +155,9 @@ def _modulated_norm_fp8(name, x, norm_weight, scale, shift, eps, centered: bool,
 
     Each program reads the norm's weight (float32), 1 + scale and the shift: 4 + 2 + 2 bytes a channel, four times
     the row's own bytes, from L2. At Krea 2's 4224 x 6144 that is ~200 MB a call against 52 MB of rows; the kernel
-    takes 39-49 us where the rows alone would take ~20 from HBM. `rows_per_program` > 1 loads the vectors once and
-    runs through its rows in a loop (`lax.fori_loop`; session 11's programs of several rows at once held all of them
-    in registers and ran slower); see `ROWS_PER_PROGRAM` for what it measured."""
+    takes about twice what the rows alone would take from HBM. `rows_per_program` > 1 loads the vectors once and
+    runs through its rows in a loop (`lax.fori_loop`, loading row r + 1 before working on row r: latency, not
+    bandwidth, bounds a program of several rows)."""
     _check_backend(backend)
     from jax.experimental import pallas as pl
 
@@ -219,17 +188,14 @@ def _modulated_norm_fp8(name, x, norm_weight, scale, shift, eps, centered: bool,
             inv = jax.lax.rsqrt(ss / d + eps)
             ys, amax = [], jnp.float32(0.0)
             for v, w, a, sh in zip(chunks, *vectors):
-                norm = _round(v * inv if norm_weight is None else v * inv * w, dtype)
-                y = _round(a.astype(jnp.float32) * norm, dtype)
-                y = _round(y + sh.astype(jnp.float32), dtype)
+                norm = round_to(v * inv if norm_weight is None else v * inv * w, dtype)
+                y = round_to(a.astype(jnp.float32) * norm, dtype)
+                y = round_to(y + sh.astype(jnp.float32), dtype)
                 ys.append(y)
                 amax = jnp.maximum(amax, jnp.max(jnp.abs(y)))
             _store_fp8_row(ys, amax, c, q_ref, s_ref, r, interpret=interpret)
 
-        if NORM_PREFETCH:
-            _for_each_row(rows, row, load)
-        else:
-            _for_each_row(rows, lambda r: row(r, load(r)))
+        _for_each_row(rows, row, load)
 
     specs = [_row_spec(d, rows), _vec_spec(d, batched=False), _vec_spec(d), _vec_spec(d)]
     return _row_call(name, kernel, b, s, d, interpret, specs, x, weight, one_plus, shift, rows=rows)
@@ -255,7 +221,7 @@ def swiglu_fp8(gate_up: jax.Array, *, backend: str = "triton", interpret: bool =
             for i in range(n_chunks):
                 g = gu_ref[r, pl.ds(i * c, c)].astype(jnp.float32)
                 u = gu_ref[r, pl.ds(h + i * c, c)].astype(jnp.float32)
-                y = _round(_round(g * _sigmoid(g, interpret), dtype) * u, dtype)  # as `swiglu`
+                y = round_to(round_to(g * _sigmoid(g, interpret), dtype) * u, dtype)  # as `swiglu`
                 ys.append(y)
                 amax = jnp.maximum(amax, jnp.max(jnp.abs(y)))
             _store_fp8_row(ys, amax, c, q_ref, s_ref, r, interpret=interpret)
@@ -312,7 +278,7 @@ def sigmoid_gated_fp8(out: jax.Array, stacked: jax.Array, gate_offset: int, *, b
             for i in range(n_chunks):
                 o = out_ref[r, pl.ds(i * c, c)].astype(jnp.float32)
                 g = stacked_ref[r, pl.ds(gate_offset + i * c, c)].astype(jnp.float32)
-                y = _round(o * _round(_sigmoid(g, interpret), dtype), dtype)  # as `sigmoid_gated`
+                y = round_to(o * round_to(_sigmoid(g, interpret), dtype), dtype)  # as `sigmoid_gated`
                 ys.append(y)
                 amax = jnp.maximum(amax, jnp.max(jnp.abs(y)))
             _store_fp8_row(ys, amax, c, q_ref, s_ref, r, interpret=interpret)
@@ -333,12 +299,9 @@ def _check_backend(backend: str) -> None:
 
 
 def _rows_per_program(name: str, s: int, rows: int | None) -> int:
-    """The rows a program of kernel `name` runs through: `rows`, or by default the largest power of two dividing
-    the sequence length s up to `ROWS_PER_PROGRAM[name]`."""
+    """The rows a program of kernel `name` runs through: `rows`, or `default_rows_per_program`'s."""
     if rows is None:
-        rows = ROWS_PER_PROGRAM[name]
-        while s % rows:
-            rows //= 2
+        rows = default_rows_per_program(name, s)
     if rows < 1 or rows & (rows - 1) or s % rows:
         raise ValueError(f"{name}: rows_per_program {rows} must be a power of two dividing the sequence length {s}")
     return rows
@@ -392,20 +355,6 @@ def _store_fp8_row(ys, amax, c, q_ref, s_ref, row=slice(None), *, interpret: boo
 # definitions spell it out (`gemm.quantize_activations`, `quant.formats`, the attention's references) and the
 # kernels compute the same here: one `rcp.rn.f32` a row (Triton's own `/` is the approximate `div.full.f32`) and a
 # `mul.rn.f32` a value. Every path then gives the same codes; IEEE division would differ from XLA's at rare ties.
-_PRODUCT_PTX = "mul.rn.f32 $0, $1, $2;"
-_ROUNDED_PRODUCT_PTX = "{ .reg .f32 q; mul.rn.f32 q, $1, $2; cvt.rni.f32.f32 $0, q; }"  # ties to even, as jnp.round
-
-
-def reciprocal_products(ys, step, *, round_to_integer: bool = False):
-    """[y * (1 / step) for y in ys], the reciprocal correctly rounded, each product rounded once (then to the nearest
-    integer, ties to even: `round_to_integer`), inside a Triton kernel. step: one float32 for all of ys (a row's, a
-    block's), or an array that broadcasts against each y (a step a channel: (1, d))."""
-    step = jnp.reshape(step, (1, 1)) if jnp.ndim(step) < 2 else step
-    reciprocal = ptx_f32("rcp.rn.f32 $0, $1;", step)
-    code = _ROUNDED_PRODUCT_PTX if round_to_integer else _PRODUCT_PTX
-    return [ptx_f32(code, y, reciprocal) for y in ys]
-
-
 def _row_spec(d: int, rows: int = 1):
     from jax.experimental import pallas as pl
 

@@ -43,13 +43,11 @@ def test_modulated_norm_kernel_equals_reference(d, dtype):
     assert kernel[0].dtype == jnp.float8_e4m3fn and kernel[0].shape == (2, 5, -(-d // 128) * 128) and kernel[1].shape == (2, 5)
 
 
-@pytest.mark.parametrize("prefetch", [True, False])
 @pytest.mark.parametrize("rows", [2, 8])
-def test_modulated_norms_several_rows_a_program_equal_one_row_a_program(monkeypatch, rows, prefetch):
-    """`rows_per_program`: a program loops over its rows with the norm's vectors loaded once (and, `NORM_PREFETCH`,
-    the next row loaded before a row's work); the same values and scales as a program a row, zero and outlier rows
-    included (both norms); a count that does not divide the sequence is named."""
-    monkeypatch.setattr(A, "NORM_PREFETCH", prefetch)
+def test_modulated_norms_several_rows_a_program_equal_one_row_a_program(rows):
+    """`rows_per_program`: a program loops over its rows with the norm's vectors loaded once (and the next row loaded
+    before a row's work); the same values and scales as a program a row, zero and outlier rows included (both
+    norms); a count that does not divide the sequence is named."""
     x, w, scale, shift = _inputs(96, seq=8)
     x = x.at[1, 5].set(jnp.nan)  # a non-finite row: its scale NaN, as one row a program gives it
     for fn in (lambda **kw: A.modulated_rms_norm_fp8(x, w, scale, shift, 1e-5, interpret=True, **kw),
@@ -78,11 +76,12 @@ def test_row_kernels_several_rows_a_program_equal_one_row_a_program(rows):
         assert np.isnan(np.asarray(one[1][1, 5])) and np.isfinite(np.asarray(one[1][0])).all()
 
 
-def test_rows_per_program_default_divides_the_sequence(monkeypatch):
-    """None: the largest power of two dividing the sequence up to `ROWS_PER_PROGRAM`'s (4224 = 2^7 x 33 tokens take
-    8; an odd length takes 1)."""
-    monkeypatch.setitem(A.ROWS_PER_PROGRAM, "tokens_fp8", 8)
-    assert [A._rows_per_program("tokens_fp8", s, None) for s in (4224, 4608, 12, 6, 5)] == [8, 8, 4, 2, 1]
+def test_rows_per_program_default_divides_the_sequence():
+    """None: the largest power of two dividing the sequence up to the kernel's most, 8 for the norms (4224 = 2^7 x 33
+    tokens take 8; an odd length takes 1), 1 for the others."""
+    name = "modulated_rms_norm_fp8"
+    assert [A._rows_per_program(name, s, None) for s in (4224, 4608, 12, 6, 5)] == [8, 8, 4, 2, 1]
+    assert A._rows_per_program("tokens_fp8", 4224, None) == 1
     assert A._rows_per_program("tokens_fp8", 12, 2) == 2
     with pytest.raises(ValueError, match="tokens_fp8: rows_per_program 8 must be a power of two dividing"):
         A._rows_per_program("tokens_fp8", 12, 8)
@@ -229,7 +228,7 @@ def test_fp8_rows_are_values_times_the_reciprocal_on_every_path():
 def test_models_take_the_composition_for_rows_the_kernels_do_not_take():
     """A row width 16 does not divide (the tiny Krea 2 fixture's 24-wide text blocks) has no kernel: the models'
     producer gives the composition's values instead of the kernel's error."""
-    from mxdit.model.layers import fused_fp8_producer
+    from mxdit.ops.linear import fused_fp8_producer
 
     assert A.kernel_takes_row(6144) and A.kernel_takes_row(16) and not A.kernel_takes_row(24)
     out, _, _, _ = _inputs(24)

@@ -95,7 +95,7 @@ def test_fused_epilogue_is_residual_plus_gate_times_activation(backend):
 
 def test_default_mosaic_tiles_fit_shared_memory_for_float32_outputs():
     """The default tiles are tuned for bf16 outputs; float32 ones double the output's staging, which overflowed
-    shared memory on the H200 at 4224 x 16384 -> 2048 (281712 bytes > 232448, session 13). `scaled_matmul` narrows
+    shared memory at 4224 x 16384 -> 2048 (281712 bytes > 232448). `scaled_matmul` narrows
     the output slices (then the ring) until they fit, and leaves the bf16 defaults as they are."""
     assert abs(gemm.mosaic_shared_memory_bytes(gemm.default_mosaic_config(4224, 2048, 16384, False), 4)
                - 281712) < 0.01 * 281712  # the estimate against Mosaic's count for the failing case
@@ -105,8 +105,8 @@ def test_default_mosaic_tiles_fit_shared_memory_for_float32_outputs():
                 for residual in (False, True):
                     config = gemm.default_mosaic_config(m, n, k, block_scaled, residual)
                     options = dict(block_scaled=block_scaled, col_vectors=3)  # scales, bias and gate
-                    assert gemm._fit_shared_memory(config, 2, **options) == config  # bf16: unchanged
-                    fitted = gemm._fit_shared_memory(config, 4, **options)
+                    assert gemm.config._fit_shared_memory(config, 2, **options) == config  # bf16: unchanged
+                    fitted = gemm.config._fit_shared_memory(config, 4, **options)
                     assert gemm.mosaic_shared_memory_bytes(fitted, 4, **options) <= gemm.SHARED_MEMORY_BYTES - 2048
                     assert (fitted.tile_m, fitted.tile_n, fitted.compute_wgs) == (
                         config.tile_m, config.tile_n, config.compute_wgs)
@@ -201,7 +201,7 @@ def _lowering_weight(n: int, k: int, fmt: str, swiglu: bool):
     ("mxfp4_e2m1", "token", "none", 4224, 1),
     ("fp8_e4m3", "token", "gelu", 4608, 1),  # 128 x 128 tiles
     # two CTAs a cluster along N sharing x's tile by TMA multicast, which the interpreter does not model (the GPU
-    # compared the outputs with cluster_n=1's: NOTES.md, session 14)
+    # compared the outputs with cluster_n=1's)
     ("fp8_e4m3", "token", "none", 4224, 2),
     ("fp8_e4m3", "token", "swiglu", 4224, 2),
     ("fp8_e4m3", "token", "residual", 4224, 2),
@@ -210,7 +210,7 @@ def _lowering_weight(n: int, k: int, fmt: str, swiglu: bool):
 def test_mosaic_kernel_lowers_for_the_gpu(monkeypatch, fmt, scaling, epilogue, m, cluster_n):
     """Mosaic GPU's own lowering (layouts, wgmma operands, TMA slices) runs in Python, so the CPU can check that the
     default configurations and epilogues lower, beyond what the interpreter runs. Not checked: ptxas, and speed."""
-    monkeypatch.setattr(gemm, "_num_sms", lambda: 132)  # an H200's
+    monkeypatch.setattr(gemm.mosaic, "_num_sms", lambda: 132)  # an H200's
     k, n = 256, 512
     weight = _lowering_weight(n, k, fmt, swiglu=epilogue == "swiglu")
     extra = {"residual": jnp.zeros((m, n), jnp.bfloat16), "gate": jnp.ones((n,))} if epilogue == "residual" else {}
@@ -233,27 +233,23 @@ def test_mosaic_kernel_lowers_for_the_gpu(monkeypatch, fmt, scaling, epilogue, m
 
 @pytest.mark.parametrize("activation", ["swiglu", "silu", "gelu_tanh"])
 def test_mosaic_epilogue_sigmoid_is_one_approximate_exp2_and_reciprocal(monkeypatch, activation):
-    """`MOSAIC_FAST_SIGMOID`: the compiled epilogue takes the sigmoid from `ex2.approx` and `rcp.approx` (GELU's tanh
-    as x sigmoid(2u)), not libdevice's exp / tanh and an IEEE division; off, the exact functions come back. (PTX does
-    not run on the CPU: the GPU compared the outputs, NOTES.md session 17; the interpreter runs the exact sigmoid.)"""
-    monkeypatch.setattr(gemm, "_num_sms", lambda: 132)
+    """The compiled epilogue takes the sigmoid from `ex2.approx` and `rcp.approx` (GELU's tanh as x sigmoid(2u)), not
+    libdevice's exp / tanh and an IEEE division. (PTX does not run on the CPU: the GPU tier compares the outputs; the
+    interpreter runs the exact sigmoid.)"""
+    monkeypatch.setattr(gemm.mosaic, "_num_sms", lambda: 132)
     m, k, n = 4224, 256, 512
     weight = _lowering_weight(n, k, "fp8_e4m3", swiglu=activation == "swiglu")
-    texts = {}
-    for fast in (True, False):
-        monkeypatch.setattr(gemm, "MOSAIC_FAST_SIGMOID", fast)
-        texts[fast] = jax.jit(lambda x: gemm.scaled_matmul(x, weight, activation=activation, backend="mosaic")).trace(
-            jax.ShapeDtypeStruct((m, k), jnp.bfloat16)).lower(lowering_platforms=("cuda",)).as_text()
+    text = jax.jit(lambda x: gemm.scaled_matmul(x, weight, activation=activation, backend="mosaic")).trace(
+        jax.ShapeDtypeStruct((m, k), jnp.bfloat16)).lower(lowering_platforms=("cuda",)).as_text()
     for instruction in ("ex2.approx.ftz.f32", "rcp.approx.ftz.f32"):
-        assert instruction in texts[True] and instruction not in texts[False]
-    exact = "math.tanh" if activation == "gelu_tanh" else "arith.divf"
-    assert exact in texts[False] and exact not in texts[True]
+        assert instruction in text
+    assert ("math.tanh" if activation == "gelu_tanh" else "arith.divf") not in text
 
 
 def test_gelu_tanh_by_sigmoid_is_gelu_tanh():
     """The same function in float32; absolutely within 1e-6 where 1 + tanh(u) cancels (x < ~-3: GELU near 0)."""
     x = jnp.concatenate([jnp.linspace(-12.0, 12.0, 4001), jax.random.normal(jax.random.key(1), (4096,)) * 3])
-    np.testing.assert_allclose(gemm._gelu_tanh_by_sigmoid(x, jax.nn.sigmoid), jax.nn.gelu(x, approximate=True),
+    np.testing.assert_allclose(gemm.mosaic._gelu_tanh_by_sigmoid(x, jax.nn.sigmoid), jax.nn.gelu(x, approximate=True),
                                rtol=2e-6, atol=1e-6)
 
 
@@ -263,9 +259,9 @@ def test_mosaic_clusters_need_whole_cluster_tiles_and_no_interpreter():
     xq, xs = gemm.quantize_activations(jnp.ones((128, 256)))
     kw = dict(x_blocks=False, w_blocks=False, activation="none", out_dtype=jnp.bfloat16, config=config)
     with pytest.raises(ValueError, match="cluster_n"):  # 768 columns: three 256-wide tiles, no whole pair
-        gemm._mosaic_gemm(xq, xs, w.data, w.scale, None, None, None, **kw)
+        gemm.mosaic._mosaic_gemm(xq, xs, w.data, w.scale, None, None, None, **kw)
     with pytest.raises(ValueError, match="multicast"):
-        gemm._mosaic_gemm(xq, xs, w.data[:512], w.scale[:512], None, None, None, interpret=True, **kw)
+        gemm.mosaic._mosaic_gemm(xq, xs, w.data[:512], w.scale[:512], None, None, None, interpret=True, **kw)
 
 
 def test_fast_activation_quantizer_gives_the_bits_of_quant_formats():
@@ -322,7 +318,7 @@ def test_bad_operands_are_named_in_the_error():
 def test_given_mosaic_tiles_fit_shared_memory_with_float32_outputs(monkeypatch, config, scaling):
     """Tiles tuned for bf16 outputs stage twice the bytes for float32 ones (the GPU refused these two at 268-286 KB
     of its 227 KB): a given config is narrowed to fit, as the defaults are, and lowers."""
-    monkeypatch.setattr(gemm, "_num_sms", lambda: 132)
+    monkeypatch.setattr(gemm.mosaic, "_num_sms", lambda: 132)
     m, k, n = 4224, 1024, 768
     weight = _lowering_weight(n, k, "fp8_e4m3", swiglu=False)
 

@@ -5,6 +5,7 @@ part of the default (CPU) run.
 Each test records its measured error (`record_property`), and the session's summary prints them. The bounds are a
 small margin over what these tests measured on an H100/H200 (the closing comment of each bound says so)."""
 
+import dataclasses
 import functools
 
 import jax
@@ -280,11 +281,11 @@ def test_int8_attention_kernel_matches_the_reference(record_property, backend, p
     _require_hopper(backend)
     (q, k, v), _, _, _, lengths = _attention_inputs(0, d=d, dtype=jnp.float32)
     block_k = 128 if backend == "mosaic" else 64
-    run = jax.jit(functools.partial(attn.int8_attention, pv=pv, block_q=64, block_k=block_k, backend=backend,
-                                    pv_accumulation=accumulation))
+    config = attn.AttentionConfig(block_k=block_k, pv_accumulation=accumulation)
+    run = jax.jit(functools.partial(attn.int8_attention, pv=pv, backend=backend, config=config))
     out = run(q, k, v, kv_lengths=lengths)
     ref = attn.int8_attention_reference(q, k, v, kv_lengths=lengths, pv=pv, block_q=64, block_k=block_k,
-                                        smooth_v=backend == "mosaic" and attn.MOSAIC_SMOOTH_V)
+                                        smooth_v=backend == "mosaic" and pv == "fp8")
     truth = _exact(q, k, v, lengths)
     error, of_ref, of_kernel = relative_l1(out, ref), relative_l1(ref, truth), relative_l1(out, truth)
     record_property("relative_l1_vs_reference", error)
@@ -302,40 +303,36 @@ def _fused_reference(q, k, v, nq, nk, cos, sin, lengths, pv, smooth_v):
     return ref, _exact(qn, kn, v, lengths)
 
 
-# The Mosaic path's switches: each the default's alternative (module-level today, read while tracing).
+# The Mosaic path's supported configs besides the default (`default_config`: three compute warpgroups for FP8 P.V
+# at 4224 tokens, accumulated in place).
 MOSAIC_VARIANTS = {
-    "default": {},
-    "row_sums_adds": {"MOSAIC_ROW_SUMS": "adds"},
-    "two_warpgroups": {"MOSAIC_COMPUTE_WGS": 2},
-    "q_prologue_pass": {"MOSAIC_Q_IN_KERNEL": False},
-    "v_range_by_xla": {"MOSAIC_V_RANGE_IN_K_SUMS": False},
-    "unsmoothed_v": {"MOSAIC_SMOOTH_V": False},
-    "k_split_pairs": {"K_SPLIT_PAIRS": True},
-    "k_sums_rows_32": {"K_SUMS_ROWS": 32},
-    "k_steps_own_pass": {"K_STEPS_FROM_SUMS": False},
+    "default": None,
+    "two_warpgroups": dict(compute_wgs=2),
+    "two_level": dict(pv_accumulation="two_level"),
 }
 
 
 @pytest.mark.parametrize("variant", list(MOSAIC_VARIANTS))
 @pytest.mark.parametrize("pv", ["fp8", "bf16"])
-def test_fused_mosaic_attention_as_the_models_call_it(record_property, monkeypatch, pv, variant):
+def test_fused_mosaic_attention_as_the_models_call_it(record_property, pv, variant):
     """`int8_attention_fused_stacked` from a stacked bf16 QKV projection, bf16 out, Krea 2's 128-wide heads (the
-    "int8_mosaic" / "int8_mosaic_fp8" model paths, FP8 accumulated in place), with the defaults and each switch
-    flipped: the reference of the normed, rotated inputs up to the online softmax's rounding."""
-    if pv == "bf16" and variant not in ("default", "q_prologue_pass", "k_split_pairs", "k_steps_own_pass"):
-        pytest.skip("an FP8 P.V switch")
+    "int8_mosaic" / "int8_mosaic_fp8" model paths), with the default config and the others it supports: the
+    reference of the normed, rotated inputs up to the online softmax's rounding."""
+    if pv == "bf16" and variant != "default":
+        pytest.skip("an FP8 P.V config")
     _require_hopper("mosaic")
-    for name, value in MOSAIC_VARIANTS[variant].items():
-        monkeypatch.setattr(attn, name, value)
     (q, k, v), (nq, nk), cos, sin, lengths = _attention_inputs(1)
     b, s, h, d = q.shape
     qkv = jnp.concatenate([x.reshape(b, s, -1) for x in (q, k, v)], axis=-1)
+    config = None
+    if MOSAIC_VARIANTS[variant] is not None:
+        config = attn.AttentionConfig(block_k=128, compute_wgs=3, pv_accumulation="in_place")
+        config = dataclasses.replace(config, **MOSAIC_VARIANTS[variant])
     run = jax.jit(functools.partial(
-        attn.int8_attention_fused_stacked, num_heads=h, num_kv_heads=k.shape[2], eps=1e-6, pv=pv, block_q=64,
-        block_k=128, backend="mosaic", out_dtype=jnp.bfloat16,
-        pv_accumulation="in_place" if pv == "fp8" else "two_level"))
+        attn.int8_attention_fused_stacked, num_heads=h, num_kv_heads=k.shape[2], eps=1e-6, pv=pv, backend="mosaic",
+        out_dtype=jnp.bfloat16, config=config))
     out = run(qkv, norm_q=nq, norm_k=nk, cos=cos, sin=sin, kv_lengths=lengths)
-    ref, truth = _fused_reference(q, k, v, nq, nk, cos, sin, lengths, pv, pv == "fp8" and attn.MOSAIC_SMOOTH_V)
+    ref, truth = _fused_reference(q, k, v, nq, nk, cos, sin, lengths, pv, pv == "fp8")
     error, of_ref, of_kernel = relative_l1(out, ref), relative_l1(ref, truth), relative_l1(out, truth)
     record_property("relative_l1_vs_reference", error)
     record_property("relative_l1_vs_exact", of_kernel)
@@ -349,8 +346,8 @@ def test_fused_mosaic_attention_as_the_models_call_it(record_property, monkeypat
 def test_fused_triton_attention_as_the_models_call_it(record_property, pv):
     """The portable path ("int8", "int8_fp8"): the Triton prologue and kernel from separate bf16 projections."""
     (q, k, v), (nq, nk), cos, sin, lengths = _attention_inputs(2, d=64)
-    run = jax.jit(functools.partial(attn.int8_attention_fused, eps=1e-6, pv=pv, block_q=64, block_k=64,
-                                    backend="triton", out_dtype=jnp.bfloat16))
+    run = jax.jit(functools.partial(attn.int8_attention_fused, eps=1e-6, pv=pv, backend="triton",
+                                    config=attn.AttentionConfig(), out_dtype=jnp.bfloat16))
     out = run(q, k, v, norm_q=nq, norm_k=nk, cos=cos, sin=sin, kv_lengths=lengths)
     qn, kn = (attn.rms_rope_reference(x, n, 1e-6, cos, sin) for x, n in ((q, nq), (k, nk)))
     ref = attn.int8_attention_reference(qn, kn, v.astype(jnp.float32), kv_lengths=lengths, pv=pv, block_q=64,
@@ -371,7 +368,7 @@ def test_qk_prologue_gives_the_codes_of_the_separate_steps(record_property):
     qi, qs, ki, ks = jax.jit(functools.partial(attn.int8_qk_prologue, eps=1e-6, scale=scale))(
         q, k, nq, nk, cos=cos, sin=sin, kv_lengths=lengths)
     qn, kn = (attn.rms_rope_reference(x, n, 1e-6, cos, sin) for x, n in ((q, nq), (k, nk)))
-    qi2, qs2, ki2, ks2, _, _ = attn._prologue(attn._deinterleave(qn), attn._deinterleave(kn), v, lengths, 64, 64,
+    qi2, qs2, ki2, ks2, _, _ = attn._prologue(attn.reference._deinterleave(qn), attn.reference._deinterleave(kn), v, lengths, 64, 64,
                                               scale)
     q_differ, k_differ = (float(np.mean(np.asarray(a) != np.asarray(b))) for a, b in ((qi, qi2), (ki, ki2)))
     record_property("q_codes_differing", q_differ)

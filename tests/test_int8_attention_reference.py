@@ -1,12 +1,13 @@
-"""The INT8-QK attention reference (pallas_kernels/attention.py) against exact attention: the accuracy the kernels
-of issue #8 must reach, on random and on outlier-heavy Q/K, with GQA, padding masks and any sequence length."""
+"""INT8-QK attention (pallas_kernels/attention/): the reference against exact attention (the accuracy the kernels
+must reach, on random and on outlier-heavy Q/K, with GQA, padding masks and any sequence length), and the kernels
+against the reference: Triton and Mosaic GPU in interpret mode, the real Mosaic lowering on the CPU."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from mxdit.pallas_kernels.attention import int8_attention_reference
+from mxdit.pallas_kernels.attention import AttentionConfig, int8_attention_reference
 
 
 def inputs(seed, b=2, sq=200, sk=232, h=8, hk=2, d=64, k_outlier=0.0):
@@ -125,8 +126,9 @@ def test_mosaic_kernel_matches_the_reference_in_interpret_mode(d, h, hk, sq, sk,
 
     q, k, v = inputs(6, sq=sq, sk=sk, h=h, hk=hk, d=d, k_outlier=20.0)
     kv = None if lengths is None else jnp.asarray(lengths)
-    out = int8_attention(q, k, v, kv_lengths=kv, pv=pv, block_k=block_k, backend="mosaic", interpret=True)
-    # the Mosaic kernel's FP8 P.V smooths V (`MOSAIC_SMOOTH_V`)
+    out = int8_attention(q, k, v, kv_lengths=kv, pv=pv, backend="mosaic", interpret=True,
+                         config=AttentionConfig(block_k=block_k))
+    # the Mosaic kernel's FP8 P.V smooths V
     ref = int8_attention_reference(q, k, v, kv_lengths=kv, pv=pv, block_q=64, block_k=block_k, smooth_v=pv == "fp8")
     assert out.shape == q.shape
     truth = exact(q, k, v, kv)
@@ -147,8 +149,9 @@ def test_mosaic_kernel_writes_bf16_directly():
 
     q, k, v = inputs(8, sq=130, sk=200, h=2, hk=1, d=64)
     kv = jnp.asarray([200, 90])
-    f32 = int8_attention(q, k, v, kv_lengths=kv, block_k=64, backend="mosaic", interpret=True)
-    bf16 = int8_attention(q, k, v, kv_lengths=kv, block_k=64, backend="mosaic", interpret=True, out_dtype=jnp.bfloat16)
+    f32 = int8_attention(q, k, v, kv_lengths=kv, backend="mosaic", interpret=True, config=AttentionConfig())
+    bf16 = int8_attention(q, k, v, kv_lengths=kv, backend="mosaic", interpret=True, config=AttentionConfig(),
+                          out_dtype=jnp.bfloat16)
     assert bf16.dtype == jnp.bfloat16
     np.testing.assert_array_equal(np.asarray(bf16), np.asarray(f32.astype(jnp.bfloat16)))
 
@@ -173,9 +176,9 @@ def test_mosaic_kernel_lowers_for_the_gpu(d, pv, p_in_smem, block_k, num_stages,
     q, k, v = inputs(7, sq=200, sk=300, h=4, hk=2, d=d)
     lengths = jnp.asarray([300, 150])
     qi, qs, ki, ks, v32, _ = A._prologue(q, k, v, lengths, 64, block_k, d**-0.5)
-    lowered = A._int8_attention_mosaic(qi, qs, ki, ks, v32, lengths, pv=pv, block_k=block_k, num_stages=num_stages,
-                                       p_in_smem=p_in_smem, lower_only=True, out_dtype=out_dtype,
-                                       pv_accumulation=accumulation)
+    config = AttentionConfig(block_k=block_k, num_stages=num_stages, pv_accumulation=accumulation)
+    lowered = A.mosaic.mosaic_attention(qi, qs, ki, ks, v32, lengths, pv=pv, config=config, p_in_smem=p_in_smem,
+                                        lower_only=True, out_dtype=out_dtype)
     assert "mosaic_gpu" in lowered.as_text()
 
 
@@ -196,20 +199,20 @@ def test_mosaic_kernel_making_q_itself_lowers_for_the_gpu(d, pv, out_dtype, accu
                                   block_k=128, smooth_k=True, interpret=True, k_only=True)
     prologue = A.MosaicQPrologue(nq, 1e-6, cos, sin, d**-0.5, 4)
     q = q.astype(out_dtype)  # raw Q in the output's dtype, as the kernel takes it
-    options = dict(pv=pv, block_k=128, num_stages=2, p_in_smem=False, lower_only=True, out_dtype=out_dtype,
-                   pv_accumulation=accumulation, q_prologue=prologue)
-    lowered = A._int8_attention_mosaic(q, None, ki, ks, v, lengths, **options)
+    options = dict(pv=pv, config=AttentionConfig(block_k=128, pv_accumulation=accumulation), p_in_smem=False,
+                   lower_only=True, out_dtype=out_dtype, q_prologue=prologue)
+    lowered = A.mosaic.mosaic_attention(q, None, ki, ks, v, lengths, **options)
     assert "mosaic_gpu" in lowered.as_text()
     other = jnp.bfloat16 if out_dtype == jnp.float32 else jnp.float32
     with pytest.raises(ValueError, match="must have the output's dtype"):
-        A._int8_attention_mosaic(q.astype(other), None, ki, ks, v, lengths, **options)
+        A.mosaic.mosaic_attention(q.astype(other), None, ki, ks, v, lengths, **options)
 
 
-def test_smoothed_v_matches_the_mosaic_kernel_and_keeps_channel_means(monkeypatch):
+def test_smoothed_v_matches_the_mosaic_kernel_and_keeps_channel_means():
     """`smooth_v`: V's channel means leave before FP8 P.V and come back after. The Mosaic kernel (interpreter) gives
     the reference's numbers, and on V with large channel means the error stays what zero-mean V gives (its FP8
-    rounding is relative to V centred). On the GPU it also removes the in-place accumulator's bias (NOTES.md,
-    session 13), which neither the interpreter nor the reference models."""
+    rounding is relative to V centred). On the GPU it also removes the in-place accumulator's bias
+    (docs/kernels/int8_attention.md), which neither the interpreter nor the reference models."""
     from mxdit.pallas_kernels import attention as A
 
     q, k, v = inputs(8, sq=130, sk=200, h=4, hk=2, d=128, k_outlier=20.0)
@@ -218,8 +221,7 @@ def test_smoothed_v_matches_the_mosaic_kernel_and_keeps_channel_means(monkeypatc
     truth = exact(q, k, v, kv)
     ref = int8_attention_reference(q, k, v, kv_lengths=kv, pv="fp8", block_q=64, block_k=128, smooth_v=True)
     plain = int8_attention_reference(q, k, v, kv_lengths=kv, pv="fp8", block_q=64, block_k=128)
-    monkeypatch.setattr(A, "MOSAIC_SMOOTH_V", True)
-    out = A.int8_attention(q, k, v, kv_lengths=kv, pv="fp8", block_k=128, backend="mosaic", interpret=True)
+    out = A.int8_attention(q, k, v, kv_lengths=kv, pv="fp8", backend="mosaic", interpret=True)
     assert relative_l1(out, ref) <= 2e-3
     # the centred V's FP8 rounding: the error of the output's varying part against exact attention's
     centred = truth - jnp.mean(truth, axis=1, keepdims=True)
@@ -229,10 +231,9 @@ def test_smoothed_v_matches_the_mosaic_kernel_and_keeps_channel_means(monkeypatc
 
 @pytest.mark.usefixtures("hopper")
 def test_mosaic_kernel_with_row_sums_by_wgmma_lowers_for_the_gpu():
-    """`row_sums="wgmma"` (the default with FP8 P.V in place): the softmax's row sums by a second wgmma (P times a
-    ones column, N = 8) into a fresh accumulator a key block. The interpreter cannot run it (P from registers): its
-    lowering is checked here, the numerics on the GPU (NOTES.md, session 13), and that it takes FP8 P.V in place
-    only."""
+    """FP8 P.V accumulated in place takes the softmax's row sums from a second wgmma (P times a ones column, N = 8)
+    into a fresh accumulator a key block, and V's channel means out and back in. The interpreter cannot run it (P
+    from registers): its lowering is checked here, the numerics on the GPU (tests/test_gpu_kernels.py)."""
     from mxdit.pallas_kernels import attention as A
 
     q, k, v, (nq, nk), cos, sin = _raw_projections(7, s=200, d=128)
@@ -240,29 +241,18 @@ def test_mosaic_kernel_with_row_sums_by_wgmma_lowers_for_the_gpu():
     q = q.astype(jnp.bfloat16)
     _, _, ki, ks = A._qk_prologue(q, (0, 4), k, (0, 2), nq, nk, 1e-6, cos, sin, lengths, scale=128**-0.5,
                                   block_q=64, block_k=128, smooth_k=True, interpret=True, k_only=True)
-    options = dict(pv="fp8", block_k=128, num_stages=2, p_in_smem=False, lower_only=True, out_dtype=jnp.bfloat16,
-                   q_prologue=A.MosaicQPrologue(nq, 1e-6, cos, sin, 128**-0.5, 4), row_sums="wgmma")
-    lowered = A._int8_attention_mosaic(q, None, ki, ks, v, lengths, pv_accumulation="in_place", **options)
+    lowered = A.mosaic.mosaic_attention(q, None, ki, ks, v, lengths, pv="fp8",
+                                        config=AttentionConfig(block_k=128, pv_accumulation="in_place"),
+                                        p_in_smem=False, lower_only=True, out_dtype=jnp.bfloat16,
+                                        q_prologue=A.MosaicQPrologue(nq, 1e-6, cos, sin, 128**-0.5, 4))
     assert "mosaic_gpu" in lowered.as_text()
-    with pytest.raises(ValueError, match="takes FP8 P.V accumulated in place"):
-        A._int8_attention_mosaic(q, None, ki, ks, v, lengths, pv_accumulation="two_level", **options)
-    with pytest.raises(ValueError, match="row_sums='wgmma_in_place'"):  # dropped: biased (see `row_sums`)
-        A._int8_attention_mosaic(q, None, ki, ks, v, lengths, pv_accumulation="in_place",
-                                 **{**options, "row_sums": "wgmma_in_place"})
-    # with V's channel means taken out and put back (`smooth_v`), FP8 P.V only
-    lowered = A._int8_attention_mosaic(q, None, ki, ks, v, lengths, pv_accumulation="in_place",
-                                       **{**options, "smooth_v": True})
-    assert "mosaic_gpu" in lowered.as_text()
-    with pytest.raises(ValueError, match="smooth_v takes FP8 P.V"):
-        A._int8_attention_mosaic(q, None, ki, ks, v, lengths, **{**options, "pv": "bf16", "row_sums": "adds",
-                                                                 "smooth_v": True})
 
 
 def test_pair_table_order_is_what_a_wgmma_thread_holds():
     """Read as a (rows, pairs) array in the WGMMA layout, a table in `_pair_table_order` gives the thread of lane c
     (mod 4), at its register vector of column tile t, the values of pairs 8t + c and 8t + 4 + c: the pairs of the
     full (rows, 2 * pairs) array's column tiles 2t and 2t + 1 that the same thread holds (columns 8u + 2c, +1)."""
-    from mxdit.pallas_kernels.attention import _pair_table_order
+    from mxdit.pallas_kernels.attention.mosaic_fragments import _pair_table_order
 
     pairs = 64
     natural = np.arange(pairs)
@@ -288,9 +278,9 @@ def test_mosaic_kernel_making_q_itself_matches_the_reference_with_q_per_row(pv, 
     q, k, v = (x.astype(jnp.bfloat16) for x in (q, k, v))
     lengths = jnp.asarray([200, 61])
     out = A.int8_attention_fused(q, k, v, nq, nk, 1e-6, cos, sin, kv_lengths=lengths, pv=pv, backend="mosaic",
-                                 block_k=64, interpret=True, out_dtype=jnp.bfloat16).astype(jnp.float32)
+                                 config=AttentionConfig(), interpret=True, out_dtype=jnp.bfloat16).astype(jnp.float32)
     qn, kn = A.rms_rope_reference(q, nq, 1e-6, cos, sin), A.rms_rope_reference(k, nk, 1e-6, cos, sin)
-    smooth = dict(smooth_v=pv == "fp8")  # as the Mosaic kernel's FP8 P.V (`MOSAIC_SMOOTH_V`)
+    smooth = dict(smooth_v=pv == "fp8")  # as the Mosaic kernel's FP8 P.V
     per_row = A.int8_attention_reference(qn, kn, v, kv_lengths=lengths, pv=pv, block_q=1, block_k=64, **smooth)
     per_block = A.int8_attention_reference(qn, kn, v, kv_lengths=lengths, pv=pv, block_q=64, block_k=64, **smooth)
     truth = exact(qn, kn, v.astype(jnp.float32), lengths)
@@ -311,7 +301,7 @@ def test_k_prologue_in_natural_order_gives_the_codes_of_the_deinterleaved_one():
     qi, qs, ki_natural, ks_natural = A._qk_prologue(q, (0, 4), k, (0, 2), nq, nk, 1e-6, cos, sin, lengths,
                                                     k_only=True, **options)
     assert qi is None and qs is None
-    np.testing.assert_array_equal(np.asarray(A._deinterleave(ki_natural)), np.asarray(ki))
+    np.testing.assert_array_equal(np.asarray(A.reference._deinterleave(ki_natural)), np.asarray(ki))
     np.testing.assert_array_equal(np.asarray(ks_natural), np.asarray(ks))
 
 
@@ -320,11 +310,11 @@ def test_fp8_p_registers_read_as_the_8bit_operand_hold_p_in_pv_key_order():
     the 8-bit operand layout (WGMMA_8BIT: four) without moving data, and permutes V's keys to match. Which element
     each thread's registers hold is computed here from the two layouts' own tilings (as Mosaic GPU's
     `thread_idxs` does, in numpy): the regrouped registers must hold P[row, order[col]] at (row, col), order being
-    `_pv_key_order`. The interpreter cannot run this path (its wgmma takes A from shared memory only); on the H200
-    it gave the shared-memory path's output (cosine and relative L1 against exact attention equal to 7 digits)."""
+    `_pv_key_order`. The interpreter cannot run this path (its wgmma takes A from shared memory only); on the GPU
+    it gives the shared-memory path's output (cosine and relative L1 against exact attention equal to 7 digits)."""
     from jax.experimental.mosaic.gpu import fragmented_array as fa
 
-    from mxdit.pallas_kernels.attention import _pv_key_order
+    from mxdit.pallas_kernels.attention.mosaic_fragments import _pv_key_order
 
     def held(layout, shape):  # thread -> register index -> the (row, col) of each element of its vector
         contiguous = tuple(int(np.prod(shape[i + 1:])) for i in range(len(shape)))
@@ -360,7 +350,9 @@ def test_v_fp8_operand_kernel_gives_v_transposed_and_in_pv_key_order(permute_key
     """The Triton pass that makes FP8 P.V's V operand: V / scale in E4M3 (V less its channel means with `smooth`),
     transposed to (dim, keys), the keys in `_pv_key_order` for P from registers; the same bytes as XLA's
     quantization, transpose and gather."""
-    from mxdit.pallas_kernels.attention import _pv_key_order, _quantize_v_fp8, v_fp8_operand
+    from mxdit.pallas_kernels.attention import v_fp8_operand
+    from mxdit.pallas_kernels.attention.mosaic_fragments import _pv_key_order
+    from mxdit.pallas_kernels.attention.reference import _quantize_v_fp8
 
     v32 = jax.random.normal(jax.random.key(3), (2, 64, 3, 32)) * jnp.arange(1, 33) + jnp.arange(-16, 16)
     v8, scale, mean = _quantize_v_fp8(v32, smooth=smooth)
@@ -408,7 +400,8 @@ def test_v_fp8_operand_reads_heads_of_a_stacked_source_in_place(keys):
     """`heads=(first, count)`: V's heads read in place from a wider (stacked) source, with precomputed scales and
     means (the models' path) or without, keys a whole number of blocks or not (then padded): the same operand as
     the sliced V gives."""
-    from mxdit.pallas_kernels.attention import _v_fp8_scale_and_mean, v_fp8_operand
+    from mxdit.pallas_kernels.attention import v_fp8_operand
+    from mxdit.pallas_kernels.attention.reference import _v_fp8_scale_and_mean
 
     stacked = jax.random.normal(jax.random.key(5), (2, keys, 7, 32)).astype(jnp.bfloat16)
     lengths = jnp.asarray([keys, 21])
@@ -429,7 +422,7 @@ def test_mosaic_backend_names_its_limits():
 
     q, k, v = inputs(8, sq=64, sk=64, h=2, hk=2)
     with pytest.raises(ValueError, match="block_q must be 64"):
-        int8_attention(q, k, v, block_q=128, backend="mosaic", interpret=True)
+        int8_attention(q, k, v, config=AttentionConfig(block_q=128), backend="mosaic", interpret=True)
     with pytest.raises(ValueError, match="backend must be"):
         int8_attention(q, k, v, backend="cuda")
     from mxdit.pallas_kernels import attention as A
@@ -438,10 +431,10 @@ def test_mosaic_backend_names_its_limits():
     for pv, p_in_smem, accumulation in (("fp8", False, "fresh"), ("bf16", False, "in_place"),
                                         ("fp8", True, "in_place")):
         with pytest.raises(ValueError, match="pv_accumulation"):
-            A._int8_attention_mosaic(qi, qs, ki, ks, v32, None, pv=pv, block_k=64, num_stages=2, p_in_smem=p_in_smem,
-                                     pv_accumulation=accumulation, lower_only=True)
+            A.mosaic.mosaic_attention(qi, qs, ki, ks, v32, None, pv=pv, p_in_smem=p_in_smem, lower_only=True,
+                                      config=AttentionConfig(pv_accumulation=accumulation))
     with pytest.raises(ValueError, match="mosaic backend's"):
-        int8_attention(q, k, v, pv="fp8", pv_accumulation="in_place")
+        int8_attention(q, k, v, pv="fp8", config=AttentionConfig(pv_accumulation="in_place"))
 
 
 # the Mosaic kernel in a model: ~30 s on 2 cores (its interpret-mode tests above run by default)
@@ -512,19 +505,18 @@ def test_fused_prologue_gives_the_codes_of_the_separate_steps(batched_tables):
     lengths = jnp.asarray([100, 61])
     qn, kn = A.rms_rope_reference(q, nq, 1e-6, cos, sin), A.rms_rope_reference(k, nk, 1e-6, cos, sin)
     qi, qs, ki, ks = A.int8_qk_prologue(q, k, nq, nk, 1e-6, cos, sin, lengths, scale=64**-0.5, interpret=True)
-    qi2, qs2, ki2, ks2, _, _ = A._prologue(A._deinterleave(qn), A._deinterleave(kn), v, lengths, 64, 64, 64**-0.5)
+    qi2, qs2, ki2, ks2, _, _ = A._prologue(A.reference._deinterleave(qn), A.reference._deinterleave(kn), v, lengths, 64, 64, 64**-0.5)
     # Same INT8 codes (measured: all equal) and block scales up to float32 rounding of the block maxima.
     assert np.mean(np.asarray(qi) != np.asarray(qi2)) < 1e-3 and np.mean(np.asarray(ki) != np.asarray(ki2)) < 1e-3
     np.testing.assert_allclose(qs, qs2, rtol=1e-6)
     np.testing.assert_allclose(ks, ks2, rtol=1e-6)
 
 
-@pytest.mark.parametrize("heads_per_program, split_pairs", [(2, False), (4, False), (1, True), (4, True)])
-def test_prologue_kernel_over_groups_of_heads_gives_the_codes_of_one_head_a_program(heads_per_program, split_pairs):
-    """The Q/K prologue kernel with several heads a program (the rotary tables loaded once for them), and with the
-    rotary pairs split in registers after one contiguous load: the codes of one head a program with two strided
-    loads, and the scales up to float32 rounding; Q's heads and, read in place after them, the masked keys' (a
-    stacked source), over a sequence the blocks do not divide."""
+@pytest.mark.parametrize("heads_per_program", [2, 4])
+def test_prologue_kernel_over_groups_of_heads_gives_the_codes_of_one_head_a_program(heads_per_program):
+    """The Q/K prologue kernel with several heads a program (the rotary tables loaded once for them): the codes of
+    one head a program, and the scales up to float32 rounding; Q's heads and, read in place after them, the masked
+    keys' (a stacked source), over a sequence the blocks do not divide."""
     from mxdit.pallas_kernels import attention as A
 
     rng = np.random.default_rng(3)
@@ -535,9 +527,9 @@ def test_prologue_kernel_over_groups_of_heads_gives_the_codes_of_one_head_a_prog
     cos, sin = (jnp.broadcast_to(jnp.asarray(f(angles), jnp.float32), (b, s, d // 2)) for f in (np.cos, np.sin))
     for first, count, lengths, mult in ((0, h, None, 0.125), (h, hk, jnp.asarray([100, 61]), 1.0)):
         mean = jnp.asarray(rng.standard_normal((b, count, d)) * 0.3, jnp.float32)
-        one, group = (A._rms_rope_quantize(x, weight, 1e-6, cos, sin, mean, lengths, mult, 64, True,
-                                           heads=(first, count), heads_per_program=g, split_pairs=split)
-                      for g, split in ((1, False), (heads_per_program, split_pairs)))
+        one, group = (A.prologue.rms_rope_quantize(x, weight, 1e-6, cos, sin, mean, lengths, mult, 64, True,
+                                                   heads=(first, count), heads_per_program=g)
+                      for g in (1, heads_per_program))
         np.testing.assert_array_equal(np.asarray(group[0]), np.asarray(one[0]))
         np.testing.assert_allclose(np.asarray(group[1]), np.asarray(one[1]), rtol=1e-6)
 
@@ -550,9 +542,9 @@ def test_prologue_block_sums_are_the_normed_rotated_keys_summed_over_valid_keys(
 
     _, k, _, (_, nk), cos, sin = _raw_projections(11, hk=4)
     lengths = jnp.asarray([100, 61])
-    sums = A._rms_rope_quantize(k, nk, 1e-6, cos[..., 0::2][None].repeat(2, 0), sin[..., 0::2][None].repeat(2, 0),
+    sums = A.prologue.rms_rope_quantize(k, nk, 1e-6, cos[..., 0::2][None].repeat(2, 0), sin[..., 0::2][None].repeat(2, 0),
                                 None, lengths, 1.0, 64, True, heads_per_program=heads_per_program, block_sums=True)
-    kn = A._deinterleave(A.rms_rope_reference(k, nk, 1e-6, cos, sin))
+    kn = A.reference._deinterleave(A.rms_rope_reference(k, nk, 1e-6, cos, sin))
     kn = jnp.where((jnp.arange(100)[None, :] < lengths[:, None])[..., None, None], kn, 0.0)
     expected = jnp.pad(kn, ((0, 0), (0, 28), (0, 0), (0, 0))).reshape(2, 2, 64, 4, 64).sum(axis=2)
     assert sums.shape == (2, 2, 4, 64)
@@ -572,8 +564,8 @@ def test_prologue_block_sums_read_v_range_in_place(heads_per_program):
     stacked = jnp.concatenate([jnp.zeros_like(k[:, :, :2]), k, v], axis=2)  # heads: 2 others, K (4), V (4)
     tables = cos[..., 0::2][None].repeat(2, 0), sin[..., 0::2][None].repeat(2, 0)
     options = dict(heads_per_program=heads_per_program, block_sums=True, heads=(2, 4))
-    plain = A._rms_rope_quantize(stacked, nk, 1e-6, *tables, None, lengths, 1.0, 64, True, **options)
-    sums, v_range = A._rms_rope_quantize(stacked, nk, 1e-6, *tables, None, lengths, 1.0, 64, True, **options,
+    plain = A.prologue.rms_rope_quantize(stacked, nk, 1e-6, *tables, None, lengths, 1.0, 64, True, **options)
+    sums, v_range = A.prologue.rms_rope_quantize(stacked, nk, 1e-6, *tables, None, lengths, 1.0, 64, True, **options,
                                          values=(stacked, 6))
     np.testing.assert_array_equal(np.asarray(sums), np.asarray(plain))
     valid = (jnp.arange(128)[None, :] < lengths[:, None])[:, :, None, None]
@@ -586,19 +578,18 @@ def test_prologue_block_sums_read_v_range_in_place(heads_per_program):
                                atol=1e-5)
     combined = (v_range[:, :, :, 0].max(axis=1), v_range[:, :, :, 1].min(axis=1), v_range[:, :, :, 2].sum(axis=1))
     for smooth in (False, True):
-        got = A._v_fp8_scale_and_mean_of_range(*combined, lengths, smooth)
-        want = A._v_fp8_scale_and_mean(v, lengths, smooth)
+        got = A.reference._v_fp8_scale_and_mean_of_range(*combined, lengths, smooth)
+        want = A.reference._v_fp8_scale_and_mean(v, lengths, smooth)
         for a, b in zip(got, want):
             np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
     with pytest.raises(ValueError, match="come with block_sums"):
-        A._rms_rope_quantize(stacked, nk, 1e-6, *tables, jnp.zeros((2, 4, 64)), lengths, 1.0, 64, True, heads=(2, 4),
+        A.prologue.rms_rope_quantize(stacked, nk, 1e-6, *tables, jnp.zeros((2, 4, 64)), lengths, 1.0, 64, True, heads=(2, 4),
                              values=(stacked, 6))
 
 
-def test_fused_mosaic_fp8_attention_takes_v_range_from_the_k_sums_pass(monkeypatch):
-    """FP8 P.V's V scales and means from K's sums pass (`MOSAIC_V_RANGE_IN_K_SUMS`) or from an XLA reduction over V,
-    and with the K side's switches (`K_SPLIT_PAIRS`, `K_SUMS_ROWS`): the same attention but for sums taken in another
-    order (a code may flip at a rounding boundary)."""
+def test_fused_mosaic_fp8_attention_takes_v_range_from_the_k_sums_pass():
+    """FP8 P.V's V scales and means from K's sums pass (the fused call) or from an XLA reduction over V (the kernel
+    given no range): the same attention."""
     from mxdit.pallas_kernels import attention as A
 
     q, k, v, (nq, nk), cos, sin = _raw_projections(13, s=128)
@@ -606,22 +597,19 @@ def test_fused_mosaic_fp8_attention_takes_v_range_from_the_k_sums_pass(monkeypat
     v = v + jnp.arange(64, dtype=jnp.bfloat16) / 16  # channel means for the smoothing to take out
     lengths = jnp.asarray([128, 61])
     qkv = jnp.concatenate([x.reshape(2, 128, -1) for x in (q, k, v)], axis=-1)
-    options = dict(kv_lengths=lengths, pv="fp8", block_k=128, backend="mosaic", interpret=True,
-                   out_dtype=jnp.bfloat16)
-    outs = {}
-    for flag in (True, False):
-        monkeypatch.setattr(A, "MOSAIC_V_RANGE_IN_K_SUMS", flag)
-        outs[flag] = A.int8_attention_fused_stacked(qkv, 4, 2, nq, nk, 1e-6, cos, sin, **options).astype(jnp.float32)
-    np.testing.assert_array_equal(outs[True], outs[False])  # the same V range, whichever pass takes it
-    # the K side's switches (pairs split in registers, the sums pass in parts of 32 keys) through the whole call
-    monkeypatch.setattr(A, "MOSAIC_V_RANGE_IN_K_SUMS", True)
-    monkeypatch.setattr(A, "K_SPLIT_PAIRS", True)
-    monkeypatch.setattr(A, "K_SUMS_ROWS", 32)
-    switched = A.int8_attention_fused_stacked(qkv, 4, 2, nq, nk, 1e-6, cos, sin, **options).astype(jnp.float32)
-    np.testing.assert_array_equal(switched, outs[True])  # the same codes and sums, computed in other parts
+    config = AttentionConfig(block_k=128)
+    options = dict(kv_lengths=lengths, pv="fp8", config=config, interpret=True, out_dtype=jnp.bfloat16)
+    fused = A.int8_attention_fused_stacked(qkv, 4, 2, nq, nk, 1e-6, cos, sin, backend="mosaic", **options)
+    _, _, ki, ks = A._qk_prologue(q, (0, 4), k, (0, 2), nq, nk, 1e-6, cos, sin, lengths, scale=64**-0.5, block_q=64,
+                                  block_k=128, smooth_k=True, interpret=True, k_only=True)
+    by_xla = A.mosaic.mosaic_attention(q, None, ki, ks, v, lengths, pv="fp8", config=config, interpret=True,
+                                       out_dtype=jnp.bfloat16,
+                                       q_prologue=A.MosaicQPrologue(nq, 1e-6, cos, sin, 64**-0.5, 4))
+    np.testing.assert_array_equal(fused.astype(jnp.float32), by_xla.astype(jnp.float32))
     truth = exact(A.rms_rope_reference(q, nq, 1e-6, cos, sin), A.rms_rope_reference(k, nk, 1e-6, cos, sin),
                   v.astype(jnp.float32), lengths)
-    assert cosine(outs[True], truth) >= 0.999 and relative_l1(outs[True], truth) <= BOUNDS["fp8"]
+    assert cosine(fused.astype(jnp.float32), truth) >= 0.999
+    assert relative_l1(fused.astype(jnp.float32), truth) <= BOUNDS["fp8"]
 
 
 @pytest.mark.parametrize("pv", ["bf16", "fp8"])
@@ -640,64 +628,37 @@ def test_fused_attention_matches_attention_of_normed_rotated_inputs(pv):
 
 
 @pytest.mark.parametrize("k_only", [True, False])
-def test_k_steps_from_the_sums_pass_equal_the_k_pass_own(monkeypatch, k_only):
-    """`K_STEPS_FROM_SUMS`: the sums pass's per-channel max and min give the K blocks' INT8 steps exactly, and the K
-    pass, 32 tokens a program with the steps given, writes the codes it writes reducing over its whole block (masked
+def test_k_steps_from_the_sums_pass_equal_the_k_pass_own(k_only):
+    """The sums pass's per-channel max and min give the K blocks' INT8 steps exactly: the K pass, 32 tokens a
+    program with the steps given, writes the codes the pass writes reducing over its whole block itself (masked
     keys, a fully masked block, both channel orders); V's range still comes with the sums."""
     from mxdit.pallas_kernels import attention as A
 
     q, k, v, (nq, nk), cos, sin = _raw_projections(7, s=256, d=64)
+    cos_half = jnp.broadcast_to(cos, (2, 256, 64))[..., 0::2]
+    sin_half = jnp.broadcast_to(sin, (2, 256, 64))[..., 0::2]
     for lengths in (jnp.asarray([256, 100]), None):
-        outs = {}
-        for flag in (False, True):
-            monkeypatch.setattr(A, "K_STEPS_FROM_SUMS", flag)
-            outs[flag] = A._qk_prologue(q, (0, 4), k, (0, 2), nq, nk, 1e-6, cos, sin, lengths, scale=64**-0.5,
-                                        block_q=64, block_k=128, smooth_k=True, interpret=True, k_only=k_only,
-                                        values=(v, (0, 2)))
-        for a, b in zip(outs[False], outs[True]):
-            for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
-                np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+        _, _, ki, ks, _ = A._qk_prologue(q, (0, 4), k, (0, 2), nq, nk, 1e-6, cos, sin, lengths, scale=64**-0.5,
+                                         block_q=64, block_k=128, smooth_k=True, interpret=True, k_only=k_only,
+                                         values=(v, (0, 2)))
+        key_lengths = jnp.full((2,), 256, jnp.int32) if lengths is None else lengths
+        sums = A.prologue.rms_rope_quantize(k, nk, 1e-6, cos_half, sin_half, None, key_lengths, 1.0, 128, True,
+                                            heads=(0, 2), block_sums=True)
+        mean = jnp.sum(sums, axis=1) / jnp.maximum(key_lengths, 1)[:, None, None].astype(jnp.float32)
+        own = A.prologue.rms_rope_quantize(k, nk, 1e-6, cos_half, sin_half, mean, key_lengths, 1.0, 128, True,
+                                           heads=(0, 2), natural_order=k_only)
+        np.testing.assert_array_equal(np.asarray(ki), np.asarray(own[0]))
+        np.testing.assert_array_equal(np.asarray(ks), np.asarray(own[1]))
         if lengths is not None:  # keys 128-255 of the second image: none valid, step 1
-            np.testing.assert_array_equal(np.asarray(outs[True][3][1, 1]), 1.0)
+            np.testing.assert_array_equal(np.asarray(ks[1, 1]), 1.0)
     with pytest.raises(ValueError, match="rows_per_program 48 must be a power of two dividing 128"):
-        A._rms_rope_quantize(k, nk, 1e-6, cos[..., 0::2], sin[..., 0::2], jnp.zeros((2, 2, 64)), None, 1.0, 128,
-                             True, steps=jnp.ones((2, 2, 2)), rows_per_program=48)
-
-
-@pytest.mark.parametrize("split_pairs, sums_rows", [(True, None), (False, 32), (True, 64)])
-def test_k_side_switches_keep_the_codes(split_pairs, sums_rows):
-    """`K_SPLIT_PAIRS` (pairs split in registers) and `K_SUMS_ROWS` (the sums pass in parts of a key block, combined
-    after) against the defaults, on the Mosaic path's K side (K only, natural order, V's range, steps from the
-    sums). Only the order of float32 operations changes (the parts' sums; a row's norm reduced over another layout),
-    so everything moves by rounding at most: V's range, which no norm touches, not at all; K's codes by one at a
-    rounding tie. (Interpret mode gives split pairs the same bits: the same arrays.)"""
-    from mxdit.pallas_kernels import attention as A
-
-    q, k, v, (nq, nk), cos, sin = _raw_projections(3, s=256, d=128)
-    for lengths in (jnp.asarray([248, 100]), None):
-        def run(**kw):
-            return A._qk_prologue(q, (0, 4), k, (0, 2), nq, nk, 1e-6, cos, sin, lengths, scale=128**-0.5,
-                                  block_q=64, block_k=128, smooth_k=True, interpret=True, k_only=True,
-                                  values=(v, (0, 2)), **kw)
-
-        (_, _, ki0, ks0, (hi0, lo0, sum0)) = run()
-        (_, _, ki1, ks1, (hi1, lo1, sum1)) = run(split_pairs=split_pairs, sums_rows=sums_rows)
-        for a, b in ((hi0, hi1), (lo0, lo1)):
-            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-        if sums_rows is None:
-            for a, b in ((ki0, ki1), (ks0, ks1), (sum0, sum1)):
-                np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-        np.testing.assert_allclose(np.asarray(ks1), np.asarray(ks0), rtol=1e-6)
-        np.testing.assert_allclose(np.asarray(sum1), np.asarray(sum0), rtol=1e-5, atol=1e-5)
-        codes = np.abs(np.asarray(ki1, np.int32) - np.asarray(ki0, np.int32))
-        assert codes.max() <= 1 and np.mean(codes > 0) < 1e-3
-    with pytest.raises(ValueError, match="rows_per_program 48 must be a power of two dividing 128"):
-        run(sums_rows=48)
+        A.prologue.rms_rope_quantize(k, nk, 1e-6, cos[..., 0::2], sin[..., 0::2], jnp.zeros((2, 2, 64)), None, 1.0,
+                                     128, True, steps=jnp.ones((2, 2, 2)), rows_per_program=48)
 
 
 def test_round_half_even_without_a_round_primitive():
     """The fused prologue's rounding (the Triton lowering has no `round`) is jnp.round, ties to even included."""
-    from mxdit.pallas_kernels.attention import _round_half_even
+    from mxdit.pallas_kernels.attention.reference import _round_half_even
 
     x = jnp.concatenate([jnp.arange(-130.0, 130.0, 0.5), jax.random.normal(jax.random.key(0), (4096,)) * 60])
     np.testing.assert_array_equal(np.asarray(jax.jit(_round_half_even)(x)), np.asarray(jnp.round(x)))
@@ -705,7 +666,7 @@ def test_round_half_even_without_a_round_primitive():
 
 def test_compute_warpgroup_registers_fit_the_sm():
     """What the Mosaic kernel asks `setmaxnreg` for must fit in 65536 registers with the memory warpgroup's 40."""
-    from mxdit.pallas_kernels.attention import compute_registers
+    from mxdit.pallas_kernels.attention.mosaic_fragments import compute_registers
 
     assert compute_registers(2) == 232  # jax's own FA3 kernel uses the same
     assert compute_registers(3, 24) == 160  # three compute warpgroups, the memory warpgroup keeping 24
@@ -715,43 +676,39 @@ def test_compute_warpgroup_registers_fit_the_sm():
             assert registers % 8 == 0 and wgs * 128 * registers + 128 * memory <= 65536
 
 
-def test_mosaic_kernel_takes_turns_in_a_ring_as_in_pairs(monkeypatch):
+def test_mosaic_kernel_takes_turns_in_a_ring_as_in_pairs():
     """`turns="ring"` (what three compute warpgroups use) with two: the interpreter runs it, and the output is the
     pairs' schedule's to the bit (the order of the tensor cores' work changes, not the arithmetic)."""
-    import functools
-
     from mxdit.pallas_kernels import attention as A
 
     q, k, v = inputs(6, sq=130, sk=200, h=2, hk=2, d=128, k_outlier=20.0)
-    options = dict(kv_lengths=jnp.asarray([200, 77]), pv="fp8", block_k=128, backend="mosaic", interpret=True)
-    pairs = A.int8_attention(q, k, v, **options)
-    monkeypatch.setattr(A, "_int8_attention_mosaic", functools.partial(A._int8_attention_mosaic, compute_wgs=2,
-                                                                       turns="ring"))
-    np.testing.assert_array_equal(np.asarray(A.int8_attention(q, k, v, **options)), np.asarray(pairs))
+    options = dict(kv_lengths=jnp.asarray([200, 77]), pv="fp8", backend="mosaic", interpret=True)
+    pairs = A.int8_attention(q, k, v, config=AttentionConfig(block_k=128), **options)
+    ring = A.int8_attention(q, k, v, config=AttentionConfig(block_k=128, turns="ring"), **options)
+    np.testing.assert_array_equal(np.asarray(ring), np.asarray(pairs))
 
 
-def test_mosaic_compute_warpgroups_choice_and_limits(monkeypatch):
+def test_mosaic_compute_warpgroups_choice_and_limits():
     """Three compute warpgroups for FP8 P.V at head_dim <= 128 where 192-row CTAs pad no more than 128-row ones (Krea
     2 at 1024^2: 4224 tokens, no padding either way); two for bf16 P.V, head_dim 256, 4096 tokens (22 x 192 would
-    pad 128 rows) and in interpret mode; `MOSAIC_COMPUTE_WGS` overrides; other counts and pairs of three are named."""
+    pad 128 rows) and in interpret mode; other counts and pairs of three are named."""
     from mxdit.pallas_kernels import attention as A
 
-    assert A._compute_wgs("fp8", 128, 4224, False) == 3 and A._compute_wgs("fp8", 64, 4608, False) == 3
-    assert A._compute_wgs("fp8", 128, 4096, False) == 2
-    assert A._compute_wgs("bf16", 128, 4224, False) == A._compute_wgs("fp8", 256, 4224, False) == 2
-    assert A._compute_wgs("fp8", 128, 4224, True) == 2
+    wgs = A.config.mosaic_compute_wgs
+    assert wgs("fp8", 128, 4224, False) == 3 and wgs("fp8", 64, 4608, False) == 3
+    assert wgs("fp8", 128, 4096, False) == 2
+    assert wgs("bf16", 128, 4224, False) == wgs("fp8", 256, 4224, False) == 2
+    assert wgs("fp8", 128, 4224, True) == 2
     # Q made in the kernel from float32 tiles (a float32 output): three fit in shared memory at head_dim 64 only
-    assert A._compute_wgs("fp8", 128, 4224, False, float32_q_tiles=True) == 2
-    assert A._compute_wgs("fp8", 64, 4224, False, float32_q_tiles=True) == 3
-    monkeypatch.setattr(A, "MOSAIC_COMPUTE_WGS", 2)
-    assert A._compute_wgs("fp8", 128, 4224, False) == 2
+    assert wgs("fp8", 128, 4224, False, float32_q_tiles=True) == 2
+    assert wgs("fp8", 64, 4224, False, float32_q_tiles=True) == 3
     q, k, v = inputs(7, sq=192, sk=128, h=2, hk=2, d=64)
     qi, qs, ki, ks, v32, _ = A._prologue(q, k, v, None, 64, 128, 0.125)
     for options, message in ((dict(compute_wgs=4), "compute_wgs must be 2 or 3, got 4"),
                              (dict(compute_wgs=3, turns="pairs"), "'pairs' takes two")):
         with pytest.raises(ValueError, match=message):
-            A._int8_attention_mosaic(qi, qs, ki, ks, v32, None, pv="fp8", block_k=128, num_stages=2, lower_only=True,
-                                     **options)
+            A.mosaic.mosaic_attention(qi, qs, ki, ks, v32, None, pv="fp8", lower_only=True,
+                                      config=AttentionConfig(block_k=128, **options))
 
 
 @pytest.mark.parametrize("d, q_in_kernel, out_dtype", [(128, True, jnp.bfloat16), (128, False, jnp.bfloat16),
@@ -762,7 +719,7 @@ def test_mosaic_kernel_with_the_default_compute_warpgroups_lowers_for_the_gpu(d,
     """192 query rows, FP8 P.V: three compute warpgroups by default (the models' case), but two where Q is made in
     the kernel from float32 tiles at head_dim 128 (three would overflow shared memory); registers, barriers and
     shared memory (with Q made in the kernel, INT8 Q takes the tables' memory). The interpreter cannot run three
-    here (`_compute_wgs`); on the GPU their output equals two warpgroups' to the bit (NOTES.md, session 16)."""
+    here (`config.mosaic_compute_wgs`); on the GPU their output equals two warpgroups' to the bit."""
     from mxdit.pallas_kernels import attention as A
 
     q, k, v, (nq, nk), cos, sin = _raw_projections(7, s=192, d=d)
@@ -770,21 +727,21 @@ def test_mosaic_kernel_with_the_default_compute_warpgroups_lowers_for_the_gpu(d,
     q = q.astype(out_dtype)
     qi, qs, ki, ks = A._qk_prologue(q, (0, 4), k, (0, 2), nq, nk, 1e-6, cos, sin, lengths, scale=d**-0.5,
                                     block_q=64, block_k=128, smooth_k=True, interpret=True, k_only=q_in_kernel)
-    options = dict(pv="fp8", block_k=128, num_stages=2, p_in_smem=False, lower_only=True, out_dtype=out_dtype,
-                   pv_accumulation="in_place")
+    options = dict(pv="fp8", p_in_smem=False, lower_only=True, out_dtype=out_dtype)  # the default config
     if q_in_kernel:
         qi, options["q_prologue"] = q, A.MosaicQPrologue(nq, 1e-6, cos, sin, d**-0.5, 4)
-    lowered = A._int8_attention_mosaic(qi, qs, ki, ks, v, lengths, **options)
+    lowered = A.mosaic.mosaic_attention(qi, qs, ki, ks, v, lengths, **options)
     assert "mosaic_gpu" in lowered.as_text()
     if d == 128 and q_in_kernel and out_dtype == jnp.float32:  # the choice above is what makes it fit
         with pytest.raises(Exception, match="exceeds available shared memory"):
-            A._int8_attention_mosaic(qi, qs, ki, ks, v, lengths, compute_wgs=3, **options)
+            A.mosaic.mosaic_attention(qi, qs, ki, ks, v, lengths, **options,
+                                      config=AttentionConfig(block_k=128, compute_wgs=3, pv_accumulation="in_place"))
 
 
 def test_int32_to_biased_float32_by_bits_is_exact_over_the_int8_product_range():
     """The Mosaic kernel's conversion of Q.K^T (an integer add, not the slow convert instruction) gives x + 1.5 * 2^23
     exactly for every product of 256 INT8 pairs, the largest head_dim it takes."""
-    from mxdit.pallas_kernels.attention import _MAGIC_FLOAT, _int32_to_biased_float32
+    from mxdit.pallas_kernels.attention.mosaic_fragments import _MAGIC_FLOAT, _int32_to_biased_float32
 
     bound = 256 * 127 * 127
     x = jnp.concatenate([jnp.arange(-2000, 2000, dtype=jnp.int32), jnp.array([bound, -bound, bound - 1], jnp.int32),
@@ -806,7 +763,8 @@ def test_fused_attention_reads_q_k_v_in_place_from_a_stacked_projection(backend,
     b, _, h, d = q.shape
     qkvg = jnp.concatenate([x.reshape(b, s, -1) for x in (q, k, v, gate)], axis=-1)
     lengths = jnp.asarray([s, 61])
-    options = dict(kv_lengths=lengths, pv="bf16", block_q=64, block_k=block_k, backend=backend, interpret=True)
+    options = dict(kv_lengths=lengths, pv="bf16", config=AttentionConfig(block_k=block_k), backend=backend,
+                   interpret=True)
     stacked = A.int8_attention_fused_stacked(qkvg, h, k.shape[2], nq, nk, 1e-6, cos, sin, **options)
     separate = A.int8_attention_fused(q, k, v, nq, nk, 1e-6, cos, sin, **options)
     np.testing.assert_array_equal(np.asarray(stacked), np.asarray(separate))

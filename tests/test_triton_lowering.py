@@ -96,34 +96,28 @@ def test_v_fp8_operand_lowers_with_reciprocal_products(permute_keys):
     assert "rcp.rn.f32" in text and "mul.rn.f32" in text and "divf" not in text
 
 
-@pytest.mark.parametrize("heads_per_program, split_pairs", [(1, False), (2, False), (4, False), (1, True), (4, True)])
-def test_qk_prologue_lowers_with_heads_grouped(heads_per_program, split_pairs):
-    """Krea 2's layout (48 query and 12 KV heads in one stacked product), the masked keys read after the queries;
-    the rotary pairs loaded by two strided loads or split in registers."""
+@pytest.mark.parametrize("heads_per_program", [1, 2, 4])
+def test_qk_prologue_lowers_with_heads_grouped(heads_per_program):
+    """Krea 2's layout (48 query and 12 KV heads in one stacked product), the masked keys read after the queries."""
+    config = attention.PrologueConfig(q_heads=heads_per_program, k_heads=heads_per_program)
+
     def prologue(x, norms, cos, sin, lengths):
         return attention.int8_qk_prologue_stacked(x, 48, 12, norms[0], norms[1], 1e-6, cos, sin, lengths,
-                                                  scale=128**-0.5, block_q=64, block_k=128,
-                                                  heads_per_program=heads_per_program, split_pairs=split_pairs)
+                                                  scale=128**-0.5, block_q=64, block_k=128, config=config)
 
     assert lowers(prologue, ((1, 256, 120, 128), BF16), ((2, 128), F32), ((256, 128), F32), ((256, 128), F32),
                   ((1,), jnp.int32))
 
 
-@pytest.mark.parametrize("v_range, k_steps, split_pairs, sums_rows", [
-    (False, False, False, None), (True, False, False, None), (True, True, False, None),
-    (True, True, True, None), (True, True, False, 32), (True, True, True, 32)])  # K_SPLIT_PAIRS, K_SUMS_ROWS
-def test_k_prologue_in_natural_channel_order_lowers(monkeypatch, v_range, k_steps, split_pairs, sums_rows):
-    """The K pass alone, its pairs joined in registers (the Mosaic kernel makes Q itself); with `v_range`, its sums
-    pass also reads V's range in place (FP8 P.V); with `k_steps`, the sums pass also writes K's ranges and the K
-    pass quantizes 32 tokens a program with the steps given (`K_STEPS_FROM_SUMS`); the pairs split in registers and
-    the sums pass in parts of a block (`K_SPLIT_PAIRS`, `K_SUMS_ROWS`)."""
-    monkeypatch.setattr(attention, "K_STEPS_FROM_SUMS", k_steps)
-
+@pytest.mark.parametrize("v_range", [False, True])
+def test_k_prologue_in_natural_channel_order_lowers(v_range):
+    """The K pass alone, its pairs joined in registers (the Mosaic kernel makes Q itself): the sums pass writes K's
+    ranges (and with `v_range` reads V's range in place, FP8 P.V), and the K pass quantizes 32 tokens a program with
+    the steps given."""
     def prologue(x, norms, cos, sin, lengths):
         return attention._qk_prologue(x, (0, 48), x, (48, 12), norms[0], norms[1], 1e-6, cos, sin, lengths,
                                       scale=128**-0.5, block_q=64, block_k=128, smooth_k=True, interpret=False,
-                                      k_only=True, values=(x, (60, 12)) if v_range else None,
-                                      split_pairs=split_pairs, sums_rows=sums_rows)[2:]
+                                      k_only=True, values=(x, (60, 12)) if v_range else None)[2:]
 
     text = lowered_text(prologue, ((1, 256, 120, 128), BF16), ((2, 128), F32), ((256, 128), F32), ((256, 128), F32),
                         ((1,), jnp.int32))

@@ -1,0 +1,100 @@
+"""Arithmetic the kernels share with one another and with their references: the activations' FP8 / INT8
+quantization rule, the float32 reciprocals the scales use, SwiGLU as the models round it, and inline PTX for Triton
+kernels. Every kernel imports from here; nothing here imports a kernel."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from mxdit.quant.formats import quantize
+
+BLOCK_K = 128  # the K extent of an activation / weight scale block, and of every GEMM kernel's K step
+FP8_MAX = 448.0
+# INT8 and E4M3 scales are amax times these (as `quant.formats`' scales), values times the scale's reciprocal
+# (`reciprocal_products`): what XLA computes for a division by them, spelled out.
+INV_127, INV_448 = np.float32(1.0 / 127.0), np.float32(1.0 / 448.0)
+
+
+def pad_k(x: jax.Array, multiple: int = BLOCK_K) -> jax.Array:
+    """x with its last axis padded with zeros to a multiple of `multiple` (the GEMMs take K in whole blocks)."""
+    pad = (-x.shape[-1]) % multiple
+    return jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, pad)]) if pad else x
+
+
+def quantize_activations(x: jax.Array, scaling: str = "token", fmt: str = "fp8_e4m3") -> tuple[jax.Array, jax.Array]:
+    """x (m, k) float -> (values (m, k'), scales), k' = k padded to 128 with zeros.
+
+    scaling "token": scales (m,) float32; "block": scales (k' / 128, m), one per token and 128-wide K block (stored
+    K-major so a kernel reads a tile's scales as one contiguous run). fmt: "fp8_e4m3", or "int8" / "int8_rot" (per
+    token only; the rotation must match the weight's).
+
+    The values are those of `quant.formats.quantize` bit for bit (a test checks it), computed the fast way: XLA's
+    float32 -> E4M3 conversion rounds to nearest even as the format's definition does, so one fused pass replaces
+    the exact-arithmetic emulation (which took as long as the GEMM itself at 4608x6144).
+    """
+    if scaling not in ("token", "block"):
+        raise ValueError(f"scaling must be 'token' or 'block', got {scaling!r}")
+    if fmt.startswith("int8") and scaling != "token":
+        raise ValueError("INT8 activations are scaled per token only")
+    x = pad_k(x)
+    m, k = x.shape
+    if fmt != "fp8_e4m3":
+        q = quantize(x, fmt, axis=-1)
+        return q.data, q.scale.reshape(m)
+    rows = x.reshape(m, k // BLOCK_K, BLOCK_K) if scaling == "block" else x
+    values, scale = fp8_e4m3_rows(rows.astype(jnp.float32))
+    if scaling == "token":
+        return values, scale[..., 0]
+    return values.reshape(m, k), scale[..., 0].T
+
+
+def fp8_e4m3_rows(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Per-row FP8 E4M3 quantization with `quant.formats`' rule (scale amax * float32(1/448), values times the
+    scale's reciprocal: see `reciprocal_products`); NaN scale for rows holding NaN/Inf, whose values are
+    zeroed."""
+    amax = jnp.max(jnp.abs(x), axis=-1, keepdims=True)
+    scale = jnp.where(amax > 0, amax * INV_448, 1.0).astype(jnp.float32)
+    scale = jnp.where(jnp.isfinite(amax), scale, jnp.nan)
+    q = jnp.where(jnp.isfinite(x), jnp.clip(x * (1.0 / scale), -448.0, 448.0), 0.0)
+    return q.astype(jnp.float8_e4m3fn), scale
+
+
+def round_to(x: jax.Array, dtype) -> jax.Array:
+    """x rounded to `dtype` and back to float32: the rounding a model step in `dtype` applies."""
+    return x.astype(dtype).astype(jnp.float32)
+
+
+def swiglu(gate_up: jax.Array) -> jax.Array:
+    """`silu(gate) * up` of the stacked product [gate | up] along the last axis, rounded to its dtype after silu and
+    after the product, each computed in float32: PyTorch's arithmetic for bf16 tensors (diffusers' model). XLA's bf16
+    `jax.nn.silu` rounds differently (its logistic), so the models' unfused path agrees with this to bf16 rounding."""
+    gate, up = jnp.split(gate_up.astype(jnp.float32), 2, axis=-1)
+    silu = round_to(gate * jax.nn.sigmoid(gate), gate_up.dtype)
+    return (silu * up).astype(gate_up.dtype)
+
+
+def ptx_f32(code: str, *args) -> jax.Array:
+    """Inline PTX inside a Triton kernel, a float32 result a value: `code` reads $1... (args, float32, broadcast to
+    the first one's shape) and writes $0."""
+    from jax.experimental.pallas import triton as pltriton
+
+    shape = args[0].shape
+    return pltriton.elementwise_inline_asm(
+        code, args=[jnp.broadcast_to(a, shape) for a in args], constraints="=r" + ",r" * len(args), pack=1,
+        result_shape_dtypes=[jax.ShapeDtypeStruct(shape, jnp.float32)])[0]
+
+
+_PRODUCT_PTX = "mul.rn.f32 $0, $1, $2;"
+_ROUNDED_PRODUCT_PTX = "{ .reg .f32 q; mul.rn.f32 q, $1, $2; cvt.rni.f32.f32 $0, q; }"  # ties to even, as jnp.round
+
+
+def reciprocal_products(ys, step, *, round_to_integer: bool = False):
+    """[y * (1 / step) for y in ys], the reciprocal correctly rounded, each product rounded once (then to the nearest
+    integer, ties to even: `round_to_integer`), inside a Triton kernel. step: one float32 for all of ys (a row's, a
+    block's), or an array that broadcasts against each y (a step a channel: (1, d))."""
+    step = jnp.reshape(step, (1, 1)) if jnp.ndim(step) < 2 else step
+    reciprocal = ptx_f32("rcp.rn.f32 $0, $1;", step)
+    code = _ROUNDED_PRODUCT_PTX if round_to_integer else _PRODUCT_PTX
+    return [ptx_f32(code, y, reciprocal) for y in ys]
