@@ -47,9 +47,9 @@ from mxdit.quant.formats import FORMATS
 
 __all__ = ["ACTIVATIONS", "BLOCK_K", "FORMATS", "MX_BLOCK", "SHARED_MEMORY_BYTES", "SWIGLU_WIDTH", "WEIGHT_FORMATS",
            "GemmWeight", "MosaicConfig", "TritonConfig", "concat_weights", "default_mosaic_config",
-           "default_triton_config", "dequantize_weight", "fold_mx_error", "fold_mx_weight", "mosaic_shared_memory_bytes",
-           "pack_mx_for_kernel", "prepare_weight", "quantize_activations", "scaled_matmul", "scaled_matmul_reference",
-           "swiglu_pairs", "swiglu_weight"]
+           "default_triton_config", "dequantize_weight", "fold_mx_error", "fold_mx_weight",
+           "mosaic_shared_memory_bytes", "pack_mx_for_kernel", "prepare_weight", "quantize_activations",
+           "scaled_matmul", "scaled_matmul_reference", "swiglu_pairs", "swiglu_weight"]
 
 
 def scaled_matmul(x: jax.Array, w: GemmWeight, x_scale: jax.Array | None = None, *, x_scaling: str = "token",
