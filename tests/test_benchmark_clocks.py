@@ -4,6 +4,8 @@ timers live in `scripts/benchmarks/timing.py`."""
 
 import importlib
 import importlib.util
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -140,3 +142,24 @@ def test_krea2_energy_covers_the_step_linear_work():
     assert linear * cfg.num_layers == pytest.approx(inputs.krea2_flops(cfg, 4096, 128) - attention * cfg.num_layers)
     assert shapes["SwiGLU GEMM"] == (6144, 32768, "swiglu") and shapes["QKVG GEMM"] == (6144, 15360, "none")
 
+
+def test_remat_choices_are_trainings():
+    """benchmark.py lists LoRA training's remat policies itself (their module imports jax, which the command line
+    does without): the list must stay training's own."""
+    from mxdit.training.train import REMAT_POLICIES
+
+    spec = importlib.util.spec_from_file_location("benchmark_script", SCRIPT)
+    benchmark = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(benchmark)
+    assert benchmark.REMAT_CHOICES == tuple(REMAT_POLICIES)
+
+
+def test_the_command_line_parses_without_jax_or_torch(tmp_path):
+    """benchmark.py builds its parser and reads a command without importing jax or torch: each half of a benchmark
+    runs in a process of its own, which imports only its framework."""
+    parse = ("import sys, importlib.util; "
+             f"spec = importlib.util.spec_from_file_location('benchmark', {str(SCRIPT)!r}); "
+             "b = importlib.util.module_from_spec(spec); spec.loader.exec_module(b); "
+             "b.build_parser().parse_args(['krea2-step', '--precisions', 'fp8', '--jax-attention', 'int8_mosaic']); "
+             "assert not {'jax', 'torch'} & set(sys.modules), 'parsing imported jax or torch'")
+    subprocess.run([sys.executable, "-c", parse], check=True, cwd=tmp_path)
