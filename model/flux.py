@@ -16,12 +16,13 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from .layers import (FP8Activations, Linear, apply_rotary, attention, attention_implementation, fp8_input_backend,
-                     fused_fp8_producer, remat_call, rotary_tables, stacked_linear)
+from mxdit.ops.attention import AttentionFn, apply_rotary, attention, attention_implementation
+from mxdit.ops.linear import FP8Activations, fp8_input_backend, fused_fp8_producer
+from mxdit.ops.names import AttentionKernel
+
+from .layers import Linear, remat_call, rotary_tables, stacked_linear
 from .loading import (Checkpoint, CheckpointError, DerivedCheckpoint, KeyMap, config_from_dict, load_state,
                       open_checkpoint, read_json)
-
-AttentionImpl = str  # "xla" or "cudnn"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -183,7 +184,8 @@ class Attention(nnx.Module):
         shape = (*q.shape[:2], self.heads, self.head_dim)
         return norm_q(q.reshape(shape)), norm_k(k.reshape(shape)), v.reshape(shape)
 
-    def __call__(self, x, rotary, implementation: AttentionImpl, context=None, projections=None, residuals=None):
+    def __call__(self, x, rotary, implementation: AttentionKernel | AttentionFn, context=None, projections=None,
+                 residuals=None):
         """x: (batch, seq, dim) image (or joint, in single blocks); context: (batch, text, dim) for double blocks;
         `projections`: x's (q, k, v) computed already (a single block's stacked product). `residuals` (double
         blocks): ((image residual, gate), (text residual, gate)): each output is `residual + gate * that`, in the
@@ -322,8 +324,8 @@ class FluxTransformer(nnx.Module):
     """FLUX.1: `model(hidden_states, encoder_hidden_states, pooled_projections, timestep, img_ids, txt_ids,
     guidance=None)` as diffusers' forward. RMSNorm weights stay float32; `attention` as in `Krea2Transformer`."""
 
-    def __init__(self, config: FluxConfig, *, dtype: jnp.dtype = jnp.bfloat16, attention: str | None = None,
-                 rngs: nnx.Rngs):
+    def __init__(self, config: FluxConfig, *, dtype: jnp.dtype = jnp.bfloat16,
+                 attention: AttentionKernel | str | None = None, rngs: nnx.Rngs):
         self.config = config
         self.dtype = jnp.dtype(dtype)
         self.attention = attention_implementation(attention, self.dtype)
@@ -392,7 +394,8 @@ class FluxTransformer(nnx.Module):
 
     @classmethod
     def from_pretrained(cls, path: str | Path, dtype: jnp.dtype = jnp.bfloat16, *,
-                        config: FluxConfig | str | Path | None = None, attention: str | None = None) -> "FluxTransformer":
+                        config: FluxConfig | str | Path | None = None,
+                        attention: AttentionKernel | str | None = None) -> "FluxTransformer":
         """Load a diffusers `transformer/` folder (one file or shards) or a single `.safetensors` file with diffusers
         key names or the original release's (`flux1-dev.safetensors`, `flux1-schnell.safetensors`, optionally
         prefixed `model.diffusion_model.`). A single file without `config` gets FLUX.1's sizes read from the weights

@@ -14,25 +14,20 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable
 from pathlib import Path
-from typing import Literal
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from .layers import (INT8_ATTENTION, FP8Activations, Linear, apply_rotary, attention, attention_implementation,
-                     fp8_input_backend, fused_fp8_producer, int8_attention_from_projections,
-                     int8_attention_from_stacked, remat_call, rotary_tables, shard_activation, stacked_linear)
+from mxdit.ops.attention import AttentionFn, attend, attention_implementation
+from mxdit.ops.linear import FP8Activations, fp8_input_backend, fused_fp8_producer
+from mxdit.ops.names import AttentionKernel
+
+from .layers import Linear, remat_call, rotary_tables, shard_activation, stacked_linear
 from .loading import (Checkpoint, CheckpointError, KeyMap, config_from_dict, load_state, open_checkpoint,
                       read_json)
-
-AttentionImpl = Literal["xla", "cudnn", "int8", "int8_fp8", "int8_mosaic", "int8_mosaic_fp8"]  # ATTENTION_KERNELS
-# An attention function (q, k, v, kv_lengths) -> out in place of a kernel name, e.g. sharding/'s sequence-parallel
-# attention: q (batch, seq, heads, head_dim), k and v (batch, seq, kv_heads, head_dim), out shaped as q.
-AttentionFn = Callable[[jax.Array, jax.Array, jax.Array, jax.Array | None], jax.Array]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,7 +128,7 @@ class Attention(nnx.Module):
         x: jax.Array,
         rotary: tuple[jax.Array, jax.Array] | None = None,
         kv_lengths: jax.Array | None = None,
-        implementation: AttentionImpl | AttentionFn = "xla",
+        implementation: AttentionKernel | AttentionFn = AttentionKernel.XLA,
         residual: jax.Array | None = None,
         residual_gate: jax.Array | None = None,
     ) -> jax.Array:
@@ -141,43 +136,37 @@ class Attention(nnx.Module):
         keys (the caller orders padded tokens last). `implementation`: a kernel name or an `AttentionFn`. Returns
         (batch, seq, dim); with `residual` and `residual_gate` (batch, 1, dim): `residual + residual_gate * that`
         (the output projection's epilogue, see `Linear.gated_residual`)."""
-        batch, seq, _ = x.shape
-        stacked = None
-        if self.to_qkvg is not None:
-            nq, nk = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-            stacked = self.to_qkvg(x)
-            q, k, v, gate = jnp.split(stacked, [nq, nq + nk, nq + 2 * nk], axis=-1)
-        else:
-            q, k, v, gate = self.to_q(x), self.to_k(x), self.to_v(x), self.to_gate(x)
-        q = q.reshape(batch, seq, self.num_heads, self.head_dim)
-        k = k.reshape(batch, seq, self.num_kv_heads, self.head_dim)
-        v = v.reshape(batch, seq, self.num_kv_heads, self.head_dim)
-        # GQA without repeating K/V: query head n reads KV head n // (num_heads // num_kv_heads), which is what
-        # diffusers' repeat_interleave of the KV heads computes.
-        if implementation in INT8_ATTENTION and rotary is not None and stacked is not None:
-            # The kernel's prologue normalises, rotates and quantizes Q and K in one pass, reading them in place from
-            # the stacked product.
-            out = int8_attention_from_stacked(stacked, self.num_heads, self.num_kv_heads, self.norm_q.weight[...],
-                                              self.norm_k.weight[...], self.norm_q.eps, rotary, kv_lengths,
-                                              implementation)
-        elif implementation in INT8_ATTENTION and rotary is not None:
-            out = int8_attention_from_projections(q, k, v, self.norm_q.weight[...], self.norm_k.weight[...],
-                                                  self.norm_q.eps, rotary, kv_lengths, implementation)
-        else:
-            q, k = self.norm_q(q), self.norm_k(k)
-            if rotary is not None:
-                q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
-            out = attention(q, k, v, kv_lengths, implementation)
-        out = out.reshape(batch, seq, -1)
-        backend = None if stacked is None else fp8_input_backend(self.to_out[0])
-        if backend is not None:  # the gate and the FP8 quantization in one pass, the gate read in place
-            values, scales = fused_fp8_producer("sigmoid_gated_fp8", backend)(out, stacked, gate_offset=nq + 2 * nk)
-            out = FP8Activations(values, scales, out.dtype)
-        else:
-            out = out * jax.nn.sigmoid(gate)
+        q, k, v, gate, stacked = self._project(x)
+        out = attend(q, k, v, kv_lengths, implementation, norms=(self.norm_q, self.norm_k), rotary=rotary,
+                     stacked=stacked)
+        out = self._gate(out.reshape(*x.shape[:2], -1), gate, stacked)
         if residual is not None:
             return self.to_out[0].gated_residual(out, residual, residual_gate)
         return self.to_out[0](out)
+
+    def _project(self, x: jax.Array):
+        """q, k, v (batch, seq, heads, head_dim), the gate (batch, seq, dim), and the stacked product they are
+        slices of (None for separate projections)."""
+        batch, seq, _ = x.shape
+        nq, nk = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        if self.to_qkvg is not None:
+            stacked = self.to_qkvg(x)
+            q, k, v, gate = jnp.split(stacked, [nq, nq + nk, nq + 2 * nk], axis=-1)
+        else:
+            stacked, (q, k, v, gate) = None, (self.to_q(x), self.to_k(x), self.to_v(x), self.to_gate(x))
+        q = q.reshape(batch, seq, self.num_heads, self.head_dim)
+        k, v = (t.reshape(batch, seq, self.num_kv_heads, self.head_dim) for t in (k, v))
+        return q, k, v, gate, stacked
+
+    def _gate(self, out: jax.Array, gate: jax.Array, stacked: jax.Array | None):
+        """`out * sigmoid(gate)`; when the output projection takes FP8 activations, the gate (read in place from the
+        stacked product) and the quantization in one pass."""
+        backend = None if stacked is None else fp8_input_backend(self.to_out[0])
+        if backend is None:
+            return out * jax.nn.sigmoid(gate)
+        gate_offset = stacked.shape[-1] - gate.shape[-1]  # the gate is the stacked product's last slice
+        values, scales = fused_fp8_producer("sigmoid_gated_fp8", backend)(out, stacked, gate_offset=gate_offset)
+        return FP8Activations(values, scales, out.dtype)
 
 
 class SwiGLU(nnx.Module):
@@ -232,7 +221,7 @@ class TextFusionBlock(nnx.Module):
         self.attn = Attention(dim, num_heads, num_kv_heads, eps, dtype=dtype, rngs=rngs)
         self.ff = SwiGLU(dim, intermediate, dtype=dtype, rngs=rngs)
 
-    def __call__(self, x, kv_lengths=None, implementation: AttentionImpl = "xla"):
+    def __call__(self, x, kv_lengths=None, implementation: AttentionKernel | AttentionFn = AttentionKernel.XLA):
         x = x + self.attn(self.norm1(x), kv_lengths=kv_lengths, implementation=implementation)
         return x + self.ff(self.norm2(x))
 
@@ -253,7 +242,8 @@ class TextFusion(nnx.Module):
         self.projector = Linear(cfg.num_text_layers, 1, bias=False, dtype=dtype, rngs=rngs)
         self.refiner_blocks = nnx.List([block() for _ in range(cfg.num_refiner_text_blocks)])
 
-    def __call__(self, text: jax.Array, kv_lengths: jax.Array | None, implementation: AttentionImpl) -> jax.Array:
+    def __call__(self, text: jax.Array, kv_lengths: jax.Array | None,
+                 implementation: AttentionKernel | AttentionFn) -> jax.Array:
         """text: (batch, seq, num_text_layers, dim) -> (batch, seq, dim)."""
         batch, seq, layers, dim = text.shape
         x = text.reshape(batch * seq, layers, dim)
@@ -277,7 +267,7 @@ class TransformerBlock(nnx.Module):
         self.attn = Attention(dim, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.norm_eps, dtype=dtype, rngs=rngs)
         self.ff = SwiGLU(dim, cfg.intermediate_size, dtype=dtype, rngs=rngs)
 
-    def __call__(self, x, temb_mod, rotary, kv_lengths, implementation: AttentionImpl | AttentionFn):
+    def __call__(self, x, temb_mod, rotary, kv_lengths, implementation: AttentionKernel | AttentionFn):
         """x: (batch, seq, dim); temb_mod: (batch, 1, 6 * dim)."""
         batch = temb_mod.shape[0]
         mod = temb_mod.reshape(batch, 1, 6, -1) + self.scale_shift_table[...]
@@ -355,8 +345,8 @@ def stack_projections(model: nnx.Module) -> int:
 
 
 # Joint sequence lengths the kernels take without padding: the GEMMs' 192-row CTAs (three 64-row warpgroups) and
-# the INT8 attention's 128- or 192-row query blocks (two or three compute warpgroups). At 4160 tokens (4096 + 64)
-# the fp8 pipeline ran 0.134 s a step, at 4224 the step benchmark 0.116 (session 6).
+# the INT8 attention's 128- or 192-row query blocks (two or three compute warpgroups). A length they do not divide
+# pads every product and costs more than the few padded text tokens that round it up.
 JOINT_TOKENS_MULTIPLE = 384
 
 
@@ -391,9 +381,8 @@ class Krea2Transformer(nnx.Module):
     encoder_attention_mask=None)`. Parameters are in `dtype` except the RMSNorm weights (float32); activations are
     computed in `dtype`, normalisation and rotary embedding in float32.
 
-    `attention` picks the attention kernel: "xla" (any device and dtype), "cudnn" (GPU, bfloat16/float16), "int8"
-    (pallas_kernels' INT8-QK kernel, Triton lowering) or "int8_mosaic" (its Hopper kernel), and these with FP8 P.V
-    ("int8_fp8", "int8_mosaic_fp8"); None chooses cuDNN on a GPU for 16-bit dtypes and XLA otherwise.
+    `attention` picks the attention kernel (an `ops.names.AttentionKernel` or its name); None chooses cuDNN on a GPU
+    for 16-bit dtypes and XLA otherwise (`ops.attention.attention_implementation`).
     `joint_attention` (default None: `attention`) is an `AttentionFn` that replaces the kernel in the joint blocks,
     where the long sequence is: sharding/ sets it to a sequence-parallel attention. The text-fusion blocks keep
     `attention`.
@@ -404,7 +393,7 @@ class Krea2Transformer(nnx.Module):
         config: Krea2Config,
         *,
         dtype: jnp.dtype = jnp.bfloat16,
-        attention: AttentionImpl | None = None,
+        attention: AttentionKernel | str | None = None,
         rngs: nnx.Rngs,
     ):
         cfg = self.config = config
@@ -535,7 +524,7 @@ class Krea2Transformer(nnx.Module):
         dtype: jnp.dtype = jnp.bfloat16,
         *,
         config: Krea2Config | str | Path | None = None,
-        attention: AttentionImpl | None = None,
+        attention: AttentionKernel | str | None = None,
     ) -> "Krea2Transformer":
         """Load a Krea 2 transformer from local disk.
 

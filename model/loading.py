@@ -433,7 +433,7 @@ _PLACEMENT: contextvars.ContextVar[Callable[[str, jax.Array], jax.Array] | None]
 def place_parameters(*places: Callable[[str, jax.Array], jax.Array]):
     """While active, every parameter `load_state` reads goes through `place(module_key, array)` as it arrives, one
     tensor at a time (through each of `places` in turn): model/offload.py sends the streamed blocks straight to host
-    memory, so a model larger than the device loads at all; `layers.quantize_on_load` quantizes block matrices."""
+    memory, so a model larger than the device loads at all; `quant.model.quantize_on_load` quantizes block matrices."""
 
     def place(key: str, value):
         for step in places:

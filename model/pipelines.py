@@ -7,10 +7,12 @@ from pathlib import Path
 import jax.numpy as jnp
 from flax import nnx
 
+from mxdit.ops.names import Precision
+from mxdit.quant.model import flux_rules, krea2_rules, load_quantized_model, quantize_linear_layers
+
 from . import flux, krea2
 from .flux import FluxConfig, FluxTransformer
 from .krea2 import Krea2Config, Krea2Transformer
-from .layers import PRECISIONS, load_quantized_model, quantize_linear_layers
 from .loading import CheckpointError, read_json
 from .pipeline_flux import FluxPipeline
 from .pipeline_krea2 import Krea2Pipeline
@@ -42,16 +44,15 @@ def load_pipeline(folder: str | Path, dtype: jnp.dtype = jnp.bfloat16, *,
     return PIPELINES[name].from_pretrained(folder, dtype, transformer=transformer)
 
 
-def prepare_transformer(transformer: Krea2Transformer | FluxTransformer, precision: str = "bf16", *,
+def prepare_transformer(transformer: Krea2Transformer | FluxTransformer, precision: Precision | str = "bf16", *,
                         stack: bool = True):
     """A transformer prepared for inference, in place, as generate.py runs it: the blocks' matrices in `precision`
     for the GEMM kernels (the family's quantization rules; matrices quantized already, e.g. as they loaded, are
-    kept; "bf16": none), then the projections that share an input stacked (`stack`). Returns it."""
-    from mxdit.quant.model import flux_rules, krea2_rules
-
+    kept; bf16: none), then the projections that share an input stacked (`stack`). Returns it."""
     family_rules, family = (flux_rules, flux) if isinstance(transformer, FluxTransformer) else (krea2_rules, krea2)
-    if precision != "bf16":
-        quantize_linear_layers(transformer, family_rules(PRECISIONS[precision]), kernels=True)
+    fmt = Precision(precision).weight_format
+    if fmt is not None:
+        quantize_linear_layers(transformer, family_rules(fmt), kernels=True)
     if stack:
         family.stack_projections(transformer)
     return transformer

@@ -12,35 +12,16 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from mxdit.ops.names import AttentionKernel
 from mxdit.quant.gates import GateReport, evaluate
-from mxdit.quant.model import dequantize_model, format_for, krea2_rules, quantize_model, weight_bytes
+from mxdit.quant.model import (dequantize_model, krea2_rules, quantize_activations, quantize_linear_layers,
+                               quantize_model, weight_bytes, with_params)
 
 from .images import unit_range_to_uint8
 from .krea2 import stack_projections
-from .layers import Linear, quantize_linear_layers
-from .loading import iter_params, module_key
+from .loading import iter_params
 from .pipeline_common import image_position_ids
 from .pipeline_krea2 import Krea2Pipeline
-
-
-def with_params(module: nnx.Module, params: dict[str, jax.Array]) -> nnx.Module:
-    """A copy of `module` whose parameters (by checkpoint key) are replaced by `params`, cast to their dtypes."""
-    graphdef, state = nnx.split(nnx.clone(module))
-    flat = nnx.to_flat_state(state)
-    for path, variable in flat:
-        key = module_key(path)
-        if key in params:
-            variable.set_value(jnp.asarray(params[key], variable.get_value().dtype))
-    return nnx.merge(graphdef, nnx.from_flat_state(flat))
-
-
-def quantize_activations(module: nnx.Module, rules) -> nnx.Module:
-    """A copy of `module` whose Linear layers selected by `rules` (by their weight's key) quantize their inputs."""
-    module = nnx.clone(module)
-    for path, node in nnx.iter_graph(module):
-        if isinstance(node, Linear):
-            node.activation_format = format_for(module_key(path) + ".weight", tuple(node.weight.shape), rules)
-    return module
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,7 +34,7 @@ class QualityRow:
 def krea2_quality(pipe: Krea2Pipeline, formats: Sequence[str], prompts: Sequence[str], seeds: Sequence[int], *,
                   height: int, width: int, steps: int | None = None, max_sequence_length: int = 512,
                   activations: bool = False, kernels: bool = False, attention: str | None = None) -> list[QualityRow]:
-    """The seed-000-style table for a Krea 2 pipeline: per format, SSIM and PSNR of the decoded images against the
+    """The quality table of a Krea 2 pipeline: per format, SSIM and PSNR of the decoded images against the
     unquantized ones (all prompts x seeds side by side), cosine etc. of the transformer's output on fixed inputs.
     Weights only, or with `activations` also the inputs of the quantized layers (rows named `fmt W+A`, the inputs
     in the weights' format), or with `kernels` the inference path itself (rows `fmt GEMM`: `quantize_linear_layers`,
@@ -88,7 +69,7 @@ def krea2_quality(pipe: Krea2Pipeline, formats: Sequence[str], prompts: Sequence
             variants.append((f"{fmt} GEMM", gemm))
             if attention is not None:
                 with_attention = nnx.clone(gemm)
-                with_attention.attention = attention
+                with_attention.attention = AttentionKernel(attention)
                 variants.append((f"{fmt} GEMM+{attention}", with_attention))
         for name, model in variants:
             quantized = Krea2Pipeline(model, pipe.vae, pipe.text_encoder, pipe.tokenizer, pipe.config)
@@ -106,7 +87,7 @@ def _transformer(model, latents, embeds, timestep, ids, mask):
 
 def format_table(rows: Sequence[QualityRow]) -> str:
     """format | SSIM vs the unquantized images | relative SSIM | PSNR | DiT output cosine and rel. L2 | weights | gate.
-    The reference is the unquantized model itself, so relative SSIM (the seed's "relative quality") is SSIM / 1."""
+    The reference is the unquantized model itself, so relative SSIM (quality relative to the reference's) is SSIM / 1."""
     width = max([16] + [len(row.fmt) + 2 for row in rows])
     lines = [f"{'format':<{width}}{'SSIM':>8}{'rel SSIM':>10}{'PSNR dB':>9}{'DiT cos':>10}{'DiT relL2':>11}"
              f"{'weights MB':>12}  gate"]

@@ -1,7 +1,8 @@
-"""Low-precision number formats (FP8, OCP MX, NVFP4, INT8), model quantization by rules, and numerical gates."""
+"""Low-precision number formats (FP8, OCP MX, NVFP4, INT8), model quantization by rules, and numerical gates.
+
+The package imports only `formats` (the kernels build on it); `model` (rules, quantized checkpoints, a model's
+Linear layers quantized) sits above the models and is imported as `mxdit.quant.model`."""
 
 from .formats import FORMATS, Format, QuantizedArray, formats, quantize
-from .model import dequantize_model, load_quantized, quantize_model, save_quantized
 
-__all__ = ["FORMATS", "Format", "QuantizedArray", "dequantize_model", "formats", "load_quantized", "quantize",
-           "quantize_model", "save_quantized"]
+__all__ = ["FORMATS", "Format", "QuantizedArray", "formats", "quantize"]

@@ -14,9 +14,10 @@ import sys
 import tempfile
 from pathlib import Path
 
+from mxdit.ops.names import AttentionKernel
+
 
 def main(argv=None) -> int:
-    from mxdit.model.layers import INT8_ATTENTION
     from mxdit.quant.formats import formats
 
     parser = argparse.ArgumentParser(prog="eval_quality.py", description=__doc__.splitlines()[0])
@@ -32,7 +33,7 @@ def main(argv=None) -> int:
     parser.add_argument("--activations", action="store_true", help="also rows with the layers' inputs quantized (W+A)")
     parser.add_argument("--kernels", action="store_true",
                         help="also rows through the inference path: the GEMM kernels' numerics (generate.py --precision)")
-    parser.add_argument("--attention", choices=INT8_ATTENTION, default=None,
+    parser.add_argument("--attention", choices=[a.value for a in AttentionKernel if a.is_int8], default=None,
                         help="with --kernels: also rows with this attention kernel (generate.py --attention)")
     args = parser.parse_args(argv)
 

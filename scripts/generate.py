@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 
 from mxdit.cli import DTYPES, OneLineErrorParser, add_device_arguments, check_device_arguments, mesh_from_arguments
+from mxdit.ops.names import AttentionKernel, Precision
 
 MIN_SIDE, MAX_SIDE, MULTIPLE = 64, 4096, 16
 
@@ -53,15 +54,14 @@ def build_parser() -> OneLineErrorParser:
     parser.add_argument("--output", type=Path, default=Path("output.png"), help="PNG path")
     parser.add_argument("--overwrite", action="store_true", help="replace existing output files")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="default bf16 (demo: fp32)")
-    parser.add_argument("--precision", choices=["bf16", "fp8", "mxfp8", "mxfp6", "mxfp4", "int8"], default="bf16",
+    parser.add_argument("--precision", choices=[p.value for p in Precision], default=Precision.BF16.value,
                         help="the transformer blocks' matrices in this format, multiplied by the low-precision GEMM "
                              "kernels with activations quantized per token (default bf16: the --dtype weights as "
                              "they are)")
     parser.add_argument("--quantized", type=Path, default=None, metavar="FILE",
                         help="the transformer's weights from this quantized checkpoint (scripts/quantize.py) instead "
                              "of --model's transformer/ folder; its matrices run through the low-precision GEMM kernels")
-    parser.add_argument("--attention", choices=["cudnn", "xla", "int8", "int8_fp8", "int8_mosaic", "int8_mosaic_fp8"],
-                        default=None,
+    parser.add_argument("--attention", choices=[a.value for a in AttentionKernel], default=None,
                         help="the attention kernel (default cuDNN on a GPU, XLA elsewhere; int8: INT8-QK, Triton "
                              "lowering; int8_mosaic: INT8-QK, Hopper; _fp8: with P.V in FP8, faster, less exact)")
     parser.add_argument("--offload", type=int, default=None, metavar="RESIDENT",
@@ -70,7 +70,7 @@ def build_parser() -> OneLineErrorParser:
                              "--quantized's format)")
     parser.add_argument("--prefetch", type=int, default=2, metavar="N",
                         help="with --offload: copy streamed blocks N blocks ahead (N + 1 blocks' device memory); more "
-                             "hides more of the copies when there is room (NOTES.md, session 8)")
+                             "hides more of the copies when there is room")
     parser.add_argument("--compile-cache", type=Path, default=default_compile_cache(),
                         help="JAX's persistent compilation cache, so that a second run starts fast ('' : off; "
                              "default: $XDG_CACHE_HOME/mxdit/jax, or ~/.cache/mxdit/jax)")
@@ -232,10 +232,9 @@ def generate(args: argparse.Namespace, started: float) -> int:
             places = []  # applied to each tensor as it is read
             if args.quantized is None and args.precision != "bf16" and not args.fuse_lora:
                 # quantized as read: never all in bf16 on the device
-                from mxdit.model.layers import PRECISIONS, quantize_on_load
-                from mxdit.quant.model import flux_rules, krea2_rules
+                from mxdit.quant.model import flux_rules, krea2_rules, quantize_on_load
 
-                fmt = PRECISIONS[args.precision]
+                fmt = Precision(args.precision).weight_format
                 # Both families' rules: each selects only its own blocks' matrices (the text encoders' keys match
                 # neither).
                 places.append(quantize_on_load(krea2_rules(fmt) + flux_rules(fmt)))
@@ -246,7 +245,7 @@ def generate(args: argparse.Namespace, started: float) -> int:
             with place_parameters(*places):
                 pipe = load_pipeline(args.model, dtype=dtype, quantized_transformer=args.quantized)
         if args.attention:
-            from mxdit.model.layers import attention_implementation
+            from mxdit.ops.attention import attention_implementation
 
             pipe.transformer.attention = attention_implementation(args.attention, dtype)
         if args.loras:

@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec as P
 
-from mxdit.model.layers import attention
+from mxdit.ops.attention import attention
 
 from .mesh import BATCH_AXES
 

@@ -230,8 +230,7 @@ def test_stacked_projections_give_the_same_output(tiny, reference, precision):
     from flax import nnx
 
     from mxdit.model.flux import stack_projections
-    from mxdit.model.layers import quantize_linear_layers
-    from mxdit.quant.model import flux_rules
+    from mxdit.quant.model import flux_rules, quantize_linear_layers
 
     separate = nnx.clone(tiny)
     if precision:
@@ -262,9 +261,8 @@ def test_fp8_kernel_weights_compute_the_simulated_quantization(tiny, reference, 
     from flax import nnx
 
     from mxdit.model.flux import stack_projections
-    from mxdit.model.layers import quantize_linear_layers
-    from mxdit.model.quality import quantize_activations, with_params
-    from mxdit.quant.model import dequantize_model, flux_rules, quantize_model
+    from mxdit.quant.model import (dequantize_model, flux_rules, quantize_activations, quantize_linear_layers,
+                                   quantize_model, with_params)
 
     rules = flux_rules("fp8_e4m3")
     kernels = nnx.clone(tiny)

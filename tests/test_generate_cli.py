@@ -2,6 +2,8 @@
 
 import importlib.util
 import shutil
+import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -399,19 +401,30 @@ def test_quantize_format_choices_are_quant_formats():
     assert list(load_script("quantize").FORMAT_CHOICES) == formats()
 
 
-def test_attention_and_precision_choices_are_the_models():
-    """generate.py and benchmark.py list the models' attention kernels and precisions themselves (importing the
-    models before parsing would slow every start): the lists must stay the models' own."""
-    from mxdit.model.layers import ATTENTION_KERNELS, PRECISIONS
+def test_attention_and_precision_choices_are_the_models(tmp_path):
+    """generate.py and benchmark.py offer the names of `ops.names` (plain Python: parsing imports no jax), each one
+    the models and the quantization take: every attention kernel is one `attention_implementation` accepts, every
+    precision's weight format one the GEMM kernels multiply."""
+    from mxdit.ops.attention import attention_implementation
+    from mxdit.ops.names import AttentionKernel, Precision
+    from mxdit.pallas_kernels.gemm import WEIGHT_FORMATS
 
-    spec = importlib.util.spec_from_file_location("benchmark_script", Path(generate.__file__).parent / "benchmark.py")
-    benchmark = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(benchmark)
-    assert sorted(benchmark.ATTENTION_CHOICES) == sorted(ATTENTION_KERNELS)
-    assert sorted(benchmark.PRECISION_CHOICES) == sorted(PRECISIONS)
-    for option, names in (("--attention", ATTENTION_KERNELS), ("--precision", PRECISIONS)):
+    benchmark = load_script("benchmark")
+    assert sorted(benchmark.ATTENTION_CHOICES) == sorted(AttentionKernel)
+    assert sorted(benchmark.PRECISION_CHOICES) == sorted(Precision)
+    for option, names in (("--attention", AttentionKernel), ("--precision", Precision)):
         for name in names:
             args = generate.parse_args(["--demo", "--prompt", "a fox", option, name])
             assert getattr(args, option[2:]) == name
         with pytest.raises(SystemExit):
             generate.parse_args(["--demo", "--prompt", "a fox", option, "not-a-" + option[2:]])
+    for kernel in AttentionKernel:
+        assert attention_implementation(kernel.value, np.float32) == kernel
+    assert Precision.BF16.weight_format is None
+    assert all(p.weight_format in WEIGHT_FORMATS for p in Precision if p is not Precision.BF16)
+    script = Path(generate.__file__)
+    parse = (f"import sys, importlib.util; spec = importlib.util.spec_from_file_location('generate', {str(script)!r}); "
+             "g = importlib.util.module_from_spec(spec); spec.loader.exec_module(g); "
+             "g.parse_args(['--demo', '--prompt', 'a fox', '--precision', 'fp8', '--attention', 'int8']); "
+             "assert 'jax' not in sys.modules, 'parsing imported jax'")
+    subprocess.run([sys.executable, "-c", parse], check=True, cwd=tmp_path)

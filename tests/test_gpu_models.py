@@ -23,10 +23,11 @@ from conftest import FIXTURES, relative_l2
 from mxdit.model.flux import FluxTransformer
 from mxdit.model.krea2 import Krea2Config, Krea2Transformer
 from mxdit.model.pipelines import prepare_transformer
+from mxdit.ops.names import AttentionKernel, Precision
 
 pytestmark = pytest.mark.gpu
 
-PRECISIONS = ["bf16", "fp8", "mxfp8", "mxfp6", "mxfp4", "int8"]
+PRECISIONS = [p.value for p in Precision]
 
 
 def _forward(model, args):
@@ -169,7 +170,7 @@ def wide_heads():
     return cfg, state, args, expected
 
 
-@pytest.mark.parametrize("attention", ["cudnn", "xla", "int8", "int8_fp8", "int8_mosaic", "int8_mosaic_fp8"])
+@pytest.mark.parametrize("attention", [a.value for a in AttentionKernel])
 def test_krea2_attention_kernels_in_the_model(record_property, wide_heads, attention):
     """Every attention the models offer on the GPU, bf16 weights, Q/K/V(/gate) stacked as generate.py runs them:
     within the INT8-QK error (bf16 or FP8 P.V) of the float32 model with exact attention."""

@@ -266,7 +266,7 @@ def test_invalid_config_is_named(tmp_path):
 def test_cudnn_attention_leaves_heads_it_does_not_take_to_xla():
     """cuDNN's fused attention takes head dims that are multiples of 8 (up to 128 here): the default GPU attention
     of a model with narrower heads (the tiny fixture's text blocks, 6 wide) is XLA's, not an error."""
-    from mxdit.model.layers import attention, cudnn_takes_head_dim
+    from mxdit.ops.attention import attention, cudnn_takes_head_dim
 
     assert cudnn_takes_head_dim(128) and cudnn_takes_head_dim(16)
     assert not cudnn_takes_head_dim(6) and not cudnn_takes_head_dim(12) and not cudnn_takes_head_dim(256)

@@ -133,10 +133,9 @@ def test_quantized_checkpoint_loads_streamed_blocks_into_host_memory(tmp_path):
     """`load_quantized_model` under `streamed_block_placement` (generate.py --quantized with --offload): the file is
     read into host memory, the resident blocks' kernel weights go to the device, the streamed ones to pinned host
     memory; the same weights as loading it whole."""
-    from mxdit.model.layers import load_quantized_model
     from mxdit.model.loading import iter_params, place_parameters
     from mxdit.model.offload import streamed_block_placement
-    from mxdit.quant.model import krea2_rules, quantize_model, save_quantized
+    from mxdit.quant.model import krea2_rules, load_quantized_model, quantize_model, save_quantized
 
     model = Krea2Transformer.from_pretrained(FIXTURES / "krea2" / "tiny", jnp.float32)
     path = tmp_path / "q.safetensors"

@@ -10,12 +10,12 @@ from flax import nnx
 
 from conftest import FIXTURES
 from mxdit.model.krea2 import Krea2Transformer
-from mxdit.model.layers import PRECISIONS, quantize_linear_layers
 from mxdit.model.loading import iter_params
-from mxdit.model.quality import quantize_activations, with_params
+from mxdit.ops.names import Precision
 from mxdit.pallas_kernels.gemm import GemmWeight
 from mxdit.quant.gates import cosine, relative_l2
-from mxdit.quant.model import dequantize_model, krea2_rules, quantize_model
+from mxdit.quant.model import (dequantize_model, krea2_rules, load_quantized_model, quantize_activations,
+                               quantize_linear_layers, quantize_model, quantize_on_load, save_quantized, with_params)
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +39,7 @@ def test_kernel_weights_compute_the_simulated_quantization(tiny, precision):
     quantization in float32 (weights quantized and dequantized, inputs quantized per token): only the summation
     order differs. And it stays close to the unquantized model."""
     model, inputs = tiny
-    rules = krea2_rules(PRECISIONS[precision])
+    rules = krea2_rules(Precision(precision).weight_format)
     kernels = nnx.clone(model)
     keys = quantize_linear_layers(kernels, rules, kernels=True)
     assert len(keys) == (2 + 2 + 2) * 8  # every matrix of the joint, layerwise and refiner blocks
@@ -55,7 +55,7 @@ def test_kernel_weights_compute_the_simulated_quantization(tiny, precision):
 
 def test_bf16_precision_quantizes_nothing(tiny):
     model, _ = tiny
-    assert PRECISIONS["bf16"] is None
+    assert Precision.BF16.weight_format is None
     assert quantize_linear_layers(nnx.clone(model), krea2_rules(None), kernels=True) == []
 
 
@@ -68,7 +68,7 @@ def test_stacked_projections_give_the_same_velocity(tiny, precision):
     model, inputs = tiny
     separate = nnx.clone(model)
     if precision != "bf16":
-        quantize_linear_layers(separate, krea2_rules(PRECISIONS[precision]), kernels=True)
+        quantize_linear_layers(separate, krea2_rules(Precision(precision).weight_format), kernels=True)
     stacked = nnx.clone(separate)
     assert stack_projections(stacked) == (2 + 2 + 2) * 2  # attention and SwiGLU of every block
     assert stacked.transformer_blocks[0].attn.to_q is None and stack_projections(stacked) == 0
@@ -102,7 +102,7 @@ def test_quantizing_after_stacking_gives_the_weights_of_quantizing_before(tiny, 
     from mxdit.model.krea2 import stack_projections
 
     model, inputs = tiny
-    rules = krea2_rules(PRECISIONS[precision])
+    rules = krea2_rules(Precision(precision).weight_format)
     before = nnx.clone(model)
     quantize_linear_layers(before, rules, kernels=True)
     stack_projections(before)
@@ -150,11 +150,10 @@ def test_concatenated_gemm_weights_multiply_as_the_separate_ones(fmt):
 def test_quantizing_as_the_checkpoint_loads_gives_the_in_place_result(tiny):
     """`quantize_on_load` (generate.py --precision with a model folder: never the whole model in bf16 on the device)
     makes the same kernel weights as quantizing the loaded model in place."""
-    from mxdit.model.layers import quantize_on_load
     from mxdit.model.loading import place_parameters
 
     model, inputs = tiny
-    rules = krea2_rules(PRECISIONS["fp8"])
+    rules = krea2_rules(Precision.FP8.weight_format)
     with place_parameters(quantize_on_load(rules)):
         loaded = Krea2Transformer.from_pretrained(FIXTURES / "krea2" / "tiny", jnp.float32)
     assert isinstance(loaded.transformer_blocks[1].attn.to_k.weight.get_value(), GemmWeight)
@@ -168,8 +167,8 @@ def test_quantizing_as_the_checkpoint_loads_gives_the_in_place_result(tiny):
 def test_gated_residual_in_the_gemm_epilogue(batch, monkeypatch):
     """`Linear.gated_residual` (the DiT's `x + gate * proj(h)`): with a kernel weight and one image, the GEMM's
     epilogue adds it (float32, one rounding); with two (per-image gates) the plain form. Both give the plain value."""
-    from mxdit.model import layers
     from mxdit.model.layers import Linear
+    from mxdit.ops import linear as linear_ops
 
     linear = Linear(64, 32, bias=True, dtype=jnp.float32, rngs=nnx.Rngs(0))
     linear.bias.set_value(jax.random.normal(jax.random.key(1), (32,)))
@@ -178,8 +177,8 @@ def test_gated_residual_in_the_gemm_epilogue(batch, monkeypatch):
     x, residual = jax.random.normal(k[0], (batch, 8, 64)), jax.random.normal(k[1], (batch, 8, 32))
     gate = jax.random.normal(k[2], (batch, 1, 32))
     calls = []
-    kernel = layers._kernel_matmul
-    monkeypatch.setattr(layers, "_kernel_matmul", lambda *a, **kw: calls.append(kw.get("residual") is not None)
+    kernel = linear_ops.kernel_matmul
+    monkeypatch.setattr(linear_ops, "kernel_matmul", lambda *a, **kw: calls.append(kw.get("residual") is not None)
                         or kernel(*a, **kw))
     out = linear.gated_residual(x, residual, gate)
     assert calls == [batch == 1]
@@ -190,12 +189,10 @@ def test_gated_residual_in_the_gemm_epilogue(batch, monkeypatch):
 def test_quantized_checkpoint_loads_straight_into_kernel_weights(tiny, tmp_path, precision):
     """A checkpoint written by `quant.model.save_quantized` (scripts/quantize.py) loads with its matrices as the
     GEMM kernels' weights (`load_quantized_model`): the model quantizing the bf16 checkpoint as it loads makes."""
-    from mxdit.model.layers import load_quantized_model, quantize_on_load
     from mxdit.model.loading import place_parameters
-    from mxdit.quant.model import save_quantized
 
     model, inputs = tiny
-    rules = krea2_rules(PRECISIONS[precision])
+    rules = krea2_rules(Precision(precision).weight_format)
     path = tmp_path / "transformer.safetensors"
     save_quantized(quantize_model(dict(iter_params(model)), rules), path)
     loaded = load_quantized_model(lambda: Krea2Transformer(model.config, dtype=jnp.float32, rngs=nnx.Rngs(0)), path)
@@ -210,9 +207,7 @@ def test_quantized_checkpoint_loads_straight_into_kernel_weights(tiny, tmp_path,
 
 
 def test_bad_quantized_checkpoints_are_named(tiny, tmp_path):
-    from mxdit.model.layers import load_quantized_model
     from mxdit.model.loading import CheckpointError
-    from mxdit.quant.model import save_quantized
 
     model, _ = tiny
     build = lambda: Krea2Transformer(model.config, dtype=jnp.float32, rngs=nnx.Rngs(0))  # noqa: E731
@@ -239,7 +234,7 @@ def test_fused_fp8_producers_feed_the_kernel_weights(tiny, monkeypatch, precisio
 
     model, inputs = tiny
     kernels = nnx.clone(model)
-    quantize_linear_layers(kernels, krea2_rules(PRECISIONS[precision]), kernels=True)
+    quantize_linear_layers(kernels, krea2_rules(Precision(precision).weight_format), kernels=True)
     stack_projections(kernels)
     calls = []
     producer = krea2.fused_fp8_producer

@@ -24,8 +24,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from mxdit.model.layers import Linear, quantize_linear_layers
+from mxdit.model.layers import Linear
 from mxdit.model.loading import module_key, save_safetensors, unreadable_safetensors
+from mxdit.quant.model import quantize_linear_layers
 
 # The attention projections (q, k, v, the sigmoid gate, out) and the SwiGLU projections (gate, up, down) of every
 # joint block and every text-fusion block: what PEFT's suffix matching of diffusers' Krea 2 names selects.
