@@ -1,6 +1,6 @@
 """Low-precision number formats as named objects, and `quantize(x, fmt)` -> `QuantizedArray` (a pytree).
 
-Formats (see `../shared/reference/formats_and_kernels.md` for the sources):
+Formats:
 
 | name | element | scale | block along `axis` |
 |---|---|---|---|

@@ -1,7 +1,7 @@
 """Numerical gates that admit a quantized configuration: tensor agreement (cosine, relative L2, max abs error,
 non-finite count) and decoded-image agreement (SSIM, PSNR), with thresholds per format.
 
-The thresholds are starting points, set so that the seeds' reported quality (relative SSIM 99.2% fp8, 98.3% mxfp6,
+The thresholds are starting points, set so that each format's expected quality (relative SSIM 99.2% fp8, 98.3% mxfp6,
 89.2% mxfp4) passes and a broken configuration does not; calibrate them on trained weights.
 """
 
