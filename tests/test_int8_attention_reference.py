@@ -770,27 +770,3 @@ def test_fused_attention_reads_q_k_v_in_place_from_a_stacked_projection(backend,
     np.testing.assert_array_equal(np.asarray(stacked), np.asarray(separate))
     with pytest.raises(ValueError, match="not 4 \\+ 2 x 2 heads of 64"):
         A.int8_attention_fused_stacked(qkvg[..., :7 * d], h, 2, nq, nk, 1e-6, cos, sin, **options)
-
-
-@pytest.mark.parametrize("kernel", ["int8_fp8", "int8_mosaic", "int8_mosaic_fp8"])
-def test_models_int8_options_reach_the_jitted_kernels_as_static_arguments(monkeypatch, kernel):
-    """On the GPU the models call the INT8 kernels under their own jit (`layers._jitted_kernel`), where every option
-    `_int8_options` gives (strings: pv, backend, pv_accumulation) must be static; on the CPU the kernels run unjitted,
-    so only tracing the jitted entry points, with the GPU's options, finds one that is not (as happened once)."""
-    from mxdit.model import layers
-
-    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-    options = layers._int8_options(kernel)
-    assert options["pv"] == ("fp8" if kernel.endswith("_fp8") else "bf16")
-    if kernel == "int8_mosaic_fp8":
-        assert options["pv_accumulation"] == "in_place"
-    q, k, v = inputs(9, b=1, sq=128, sk=128, h=2, hk=1, d=64)
-    norm = jnp.zeros((64,), jnp.float32)
-    cos, sin = jnp.ones((128, 64), jnp.float32), jnp.zeros((128, 64), jnp.float32)
-    lengths = jnp.asarray([100])
-    layers._jitted_kernel("int8_attention").trace(q, k, v, kv_lengths=lengths, out_dtype=jnp.bfloat16, **options)
-    layers._jitted_kernel("int8_attention_fused").trace(q, k, v, norm, norm, 1e-6, cos, sin, kv_lengths=lengths,
-                                                        out_dtype=jnp.bfloat16, **options)
-    qkv = jnp.concatenate([q, k, v], axis=2).reshape(1, 128, 4 * 64)
-    layers._jitted_kernel("int8_attention_fused_stacked").trace(qkv, 2, 1, norm, norm, 1e-6, cos, sin,
-                                                                kv_lengths=lengths, out_dtype=jnp.bfloat16, **options)
