@@ -8,13 +8,10 @@ it on its host-to-device stream beside the programs dispatched after it. What th
 "exposed" transfer time) is the streamed step's time minus the all-resident one (`scripts/benchmark.py
 krea2-offload`; FLUX.1's streaming is CPU-tested only).
 
-Measured on the H200 (NOTES.md, session 8), FP8 Krea 2 under a 24 GB cap: a block's 0.43 GB cross PCIe in 8.9 ms
-(49 GB/s) and compute in 4.1 ms at 4224 tokens, and beside a `device_put` the block takes the copy's time (8.9 ms),
-not the sum. 20 of 28 blocks resident: 0.1283 s a step against 0.1142 all resident (11% exposed) with prefetch 2,
-**0.1169 (2.8%) with prefetch 4**; 10 resident 0.1678 (32%: 18 copies take more than a step's compute, so that
-much is copy-bound). Before (sessions 4-7) the copy was made inside the program of the block `prefetch` earlier, and
-XLA scheduled it before that block's compute, so the two added up (12.4 ms a block; 33% and 54% exposed); a
-`device_put` per block was slow in session 4 only because the host waited for each block.
+FP8 Krea 2 under a 24 GB cap: a block's 0.43 GB cross PCIe in about twice a block's compute at 4224 tokens, and
+beside a `device_put` a block takes the copy's time, not the sum; with 20 of 28 blocks resident and prefetch 4, about
+3% of a step waits for copies (docs/performance.md). A copy made inside the program of an earlier block would be
+scheduled before that block's compute and add to it: hence a `device_put` of its own a block.
 """
 
 from __future__ import annotations

@@ -239,7 +239,7 @@ class Krea2Pipeline:
 
 
 # The inference programs take the modules as pytrees (`jax.jit`): flattening one costs ~2 ms a call on a slow host
-# CPU, where `nnx.jit`'s graph traversal cost ~30 ms for Krea 2's transformer or text encoder (session 6).
+# CPU, where `nnx.jit`'s graph traversal costs ~30 ms for Krea 2's transformer or text encoder.
 @functools.partial(jax.jit, static_argnames=("layers",))
 def _encode_text(encoder: Qwen3VLTextEncoder, ids, mask, positions, layers):
     return encoder(ids, mask, positions, layers)

@@ -118,7 +118,7 @@ def test_folder_of_pytorch_pickles_exits_naming_the_file(tmp_path, capsys):
 
 def test_pytorch_pickles_are_refused_by_name_wherever_weights_are_read(tmp_path):
     from mxdit.model.loading import CheckpointError, open_checkpoint
-    from mxdit.training.lora_files import LoraFileError, read_lora
+    from mxdit.model.lora_files import LoraFileError, read_lora
 
     pickle = tmp_path / "model.pt"
     pickle.write_bytes(b"\x80\x02not read")
@@ -290,7 +290,7 @@ def test_offload_streams_blocks(tmp_path, capsys):
 
 def assert_same_image_up_to_rounding(streamed_png, resident_png):
     """Streamed blocks run as per-block programs, the resident model as one: XLA rounds them differently in the last
-    float32 bits (FLUX.1's tiny transformer, streamed vs whole, on an AMD EPYC in session 10: relative L2 2.1e-7 in
+    float32 bits (FLUX.1's tiny transformer, streamed vs whole, on an AMD EPYC: relative L2 2.1e-7 in
     float32, 4.4e-7 with FP8 weights), and the 8-bit image (or a per-token FP8 code) flips where a value sits on a
     rounding boundary: there 1 pixel of 15360, one level apart (on the earlier machines, none). A streaming bug (a
     block skipped, run twice, or with another block's weights) changes most pixels."""
