@@ -62,7 +62,7 @@ class Linear(nnx.Module):
         # A quant format name: the input is quantized and dequantized per token (or block) before the product, which
         # simulates weight+activation quantization (`quant.model.quantize_activations`). None: the input as it is.
         self.activation_format = None
-        # A low-rank adapter (training/lora.py's LoRA) called as `lora(x, y)` after the product: it adds its update
+        # A low-rank adapter (model/lora.py's LoRA) called as `lora(x, y)` after the product: it adds its update
         # to y. None: a plain linear layer. Data, not static: its matrices are state of the model.
         self.lora = nnx.data(None)
 

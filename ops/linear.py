@@ -56,7 +56,7 @@ def linear(x: jax.Array | FP8Activations, weight, bias: jax.Array | None = None,
     - A `quant.QuantizedArray` (training's frozen quantized base): dequantized for the product, on every call.
     - An array: XLA's product.
 
-    `adapter`: a low-rank adapter `(x, y) -> y + update` (training/lora.py). `activation`: "none", "gelu_tanh",
+    `adapter`: a low-rank adapter `(x, y) -> y + update` (model/lora.py). `activation`: "none", "gelu_tanh",
     "silu", or "swiglu" (a `gemm.swiglu_weight`: `silu(gate) * up`, (..., n / 2))."""
     kernels = isinstance(x, FP8Activations) or is_gemm_weight(weight)
     if kernels and adapter is None and (residual is None or x.shape[0] == 1):

@@ -27,7 +27,7 @@ FLUX_PROJECTIONS = (r"x_embedder|context_embedder|proj_out|norm_out\.linear|"
 
 
 def _randomize_adapters(model, seed: int) -> None:
-    from mxdit.training.lora import adapters
+    from mxdit.model.lora import adapters
 
     rng = np.random.default_rng(seed)
     for _, adapter in adapters(model):
@@ -38,7 +38,8 @@ def _randomize_adapters(model, seed: int) -> None:
 def exported_model():
     """The Krea 2 tiny pipeline's transformer (float32) with the random adapters that are exported."""
     from mxdit.model.krea2 import Krea2Transformer
-    from mxdit.training.lora import KREA2_ATTENTION_AND_MLP, LoraConfig, add_lora
+    from mxdit.model.lora import LoraConfig
+    from mxdit.training.lora import KREA2_ATTENTION_AND_MLP, add_lora
 
     model = Krea2Transformer.from_pretrained(FOLDER / "tiny_pipeline" / "transformer", dtype=jnp.float32)
     add_lora(model, LoraConfig(rank=3, alpha=1.5, targets=KREA2_ATTENTION_AND_MLP))
@@ -51,7 +52,8 @@ def exported_model():
 def exported_flux_model():
     """The FLUX.1 tiny pipeline's transformer (float32) with the random adapters that are exported."""
     from mxdit.model.flux import FluxTransformer
-    from mxdit.training.lora import FLUX_ATTENTION_AND_MLP, LoraConfig, add_lora
+    from mxdit.model.lora import LoraConfig
+    from mxdit.training.lora import FLUX_ATTENTION_AND_MLP, add_lora
 
     model = FluxTransformer.from_pretrained(FLUX_FOLDER / "tiny_pipeline" / "transformer", dtype=jnp.float32)
     add_lora(model, LoraConfig(rank=3, alpha=1.5, targets=FLUX_ATTENTION_AND_MLP))
@@ -61,7 +63,7 @@ def exported_flux_model():
 
 
 def main() -> None:
-    from mxdit.training.lora_files import LAYOUTS, export_lora
+    from mxdit.model.lora_files import LAYOUTS, export_lora
 
     model = exported_model()
     for layout in LAYOUTS:

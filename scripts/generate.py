@@ -10,7 +10,7 @@ without guidance, Base 28 steps with CFG 4.5 and the negative prompt). FLUX.1: d
 28 steps), schnell takes 4 steps; --true-cfg > 1 with --negative-prompt adds true classifier-free guidance. With
 several images, `--output x.png` writes x_0.png, x_1.png, ... An existing file is never overwritten unless
 --overwrite is given. `--lora FILE[:WEIGHT]` (repeatable) applies LoRA files in the diffusers/PEFT, kohya or ComfyUI
-layout (training/lora_files.py), at run time or, with --fuse-lora, fused into the weights. `--precision fp8` (or
+layout (model/lora_files.py), at run time or, with --fuse-lora, fused into the weights. `--precision fp8` (or
 mxfp8, mxfp6, mxfp4, int8) quantizes the transformer's block matrices as they load; `--quantized FILE` reads a
 checkpoint that scripts/quantize.py wrote instead.
 """
@@ -121,7 +121,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         parser.error(f"--output {args.output}: folder {args.output.parent} does not exist")
     args.loras = []
     if args.lora:
-        from mxdit.training.lora_files import parse_lora_arg
+        from mxdit.model.lora_files import parse_lora_arg
 
         for spec in args.lora:
             try:
@@ -249,7 +249,7 @@ def generate(args: argparse.Namespace, started: float) -> int:
 
             pipe.transformer.attention = attention_implementation(args.attention, dtype)
         if args.loras:
-            from mxdit.training.lora_files import apply_loras
+            from mxdit.model.lora_files import apply_loras
 
             apply_loras(pipe.transformer, args.loras, fuse=args.fuse_lora)  # before sharding: it places the adapters
         # --precision: quantized here for the demo, or after fusing LoRAs (the fused weights are what gets

@@ -285,7 +285,7 @@ def test_lora_training_on_a_data_by_fsdp_mesh_equals_one_device(tmp_path):
     one-device run's."""
     from test_lora_training import write_photo_patches
 
-    from mxdit.training.lora import LoraConfig, remove_lora
+    from mxdit.model.lora import LoraConfig, remove_lora
     from mxdit.training.train import TrainConfig, TrainError, train
 
     write_photo_patches(tmp_path / "photos")

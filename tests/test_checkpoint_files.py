@@ -78,8 +78,9 @@ def test_truncated_shard_is_named(tmp_path):
 @pytest.mark.parametrize("cut", ["in the header length", "in the header", "in the data", "one byte short"])
 def test_truncated_quantized_checkpoint_and_lora_files_are_named(tmp_path, cut):
     from mxdit.model.layers import Linear
-    from mxdit.training.lora import LoraConfig, add_lora, load_lora, save_lora
-    from mxdit.training.lora_files import LoraFileError, read_lora
+    from mxdit.model.lora import LoraConfig
+    from mxdit.model.lora_files import LoraFileError, read_lora
+    from mxdit.training.lora import add_lora, load_lora, save_lora
 
     quantized = tmp_path / "q.safetensors"
     save_quantized({"w": np.ones((4, 32), np.float32)}, quantized)
@@ -154,7 +155,8 @@ def test_interrupted_safetensors_writes_keep_the_old_file(tmp_path, monkeypatch)
     import safetensors.numpy
 
     from mxdit.model.layers import Linear
-    from mxdit.training.lora import LoraConfig, add_lora, save_lora
+    from mxdit.model.lora import LoraConfig
+    from mxdit.training.lora import add_lora, save_lora
 
     model = nnx.List([Linear(32, 16, bias=False, dtype=jnp.float32, rngs=nnx.Rngs(0))])
     add_lora(model, LoraConfig(rank=2, targets=(r"0",)))

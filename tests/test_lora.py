@@ -1,6 +1,6 @@
-"""training/lora.py on a tiny random Krea 2 transformer (float32): which layers get adapters, a fresh adapter leaves
-the model unchanged, merge equals the adapter and unmerge restores the weights bit for bit, a quantized frozen base,
-remat policies, saving in diffusers' key names and loading back."""
+"""training/lora.py and the adapter of model/lora.py on a tiny random Krea 2 transformer (float32): which layers get
+adapters, a fresh adapter leaves the model unchanged, merge equals the adapter and unmerge restores the weights bit
+for bit, a quantized frozen base, remat policies, saving in diffusers' key names and loading back."""
 
 import dataclasses
 
@@ -13,8 +13,9 @@ from flax import nnx
 from conftest import relative_l2
 from mxdit.model.krea2 import Krea2Config, Krea2Transformer
 from mxdit.model.pipeline_common import image_position_ids
-from mxdit.training.lora import (KREA2_AUTHORS, LoraConfig, adapters, add_lora, linear_layers, load_lora,
-                                 lora_state_dict, merge_lora, quantize_base, remove_lora, save_lora, unmerge_lora)
+from mxdit.model.lora import LoraConfig, adapters, linear_layers, remove_lora
+from mxdit.training.lora import (KREA2_AUTHORS, add_lora, load_lora, lora_state_dict, merge_lora, quantize_base,
+                                 save_lora, unmerge_lora)
 from mxdit.training.train import REMAT_POLICIES, flow_matching_loss
 
 CFG = Krea2Config(in_channels=64, num_layers=2, attention_head_dim=32, num_attention_heads=4, num_key_value_heads=2,

@@ -1,4 +1,4 @@
-"""training/lora_files.py against diffusers on the tiny Krea 2 pipeline's transformer (float32): a PEFT LoRA made and
+"""model/lora_files.py against diffusers on the tiny Krea 2 pipeline's transformer (float32): a PEFT LoRA made and
 saved by diffusers, the same weights in the kohya and ComfyUI layouts, LoRAs exported by mxdit and loaded by diffusers
 (fixtures: scripts/make_fixtures.py --only lora / lora_export, scripts/export_lora_fixture.py); several LoRAs at once,
 fused into dense and quantized weights; other spellings of the layouts; unknown keys; FLUX.1's diffusers and
@@ -19,9 +19,10 @@ from safetensors.numpy import load_file, save_file
 from conftest import FIXTURES, relative_l2
 from mxdit.model.flux import FluxTransformer
 from mxdit.model.krea2 import Krea2Transformer
+from mxdit.model.lora import LoraConfig, adapters, remove_lora
+from mxdit.model.lora_files import LoraFileError, apply_loras, export_lora, parse_lora_arg, read_lora
 from mxdit.quant.model import krea2_rules
-from mxdit.training.lora import LoraConfig, adapters, quantize_base, remove_lora
-from mxdit.training.lora_files import (LoraFileError, apply_loras, export_lora, parse_lora_arg, read_lora)
+from mxdit.training.lora import quantize_base
 
 LORA = FIXTURES / "krea2" / "lora"
 TRANSFORMER = FIXTURES / "krea2" / "tiny_pipeline" / "transformer"

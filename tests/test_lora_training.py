@@ -16,9 +16,10 @@ from flax import nnx
 from PIL import Image
 
 from conftest import relative_l2
+from mxdit.model.lora import LoraConfig, remove_lora
 from mxdit.model.pipeline_krea2 import demo_pipeline
 from mxdit.training import data as data_lib
-from mxdit.training.lora import LoraConfig, add_lora, remove_lora
+from mxdit.training.lora import add_lora
 from mxdit.training.train import (TrainConfig, TrainError, jit_accumulated_gradients, make_batch, make_optimizer,
                                   train)
 
@@ -310,7 +311,8 @@ def test_flux_lora_trains_from_the_command_line(photos, tmp_path, capsys):
     """The FLUX folder is recognised by its model_index.json; the default targets are FLUX's attention and MLPs; the
     loss falls; the LoRA file holds diffusers' FLUX key names and loads back onto a fresh transformer."""
     from mxdit.model.pipeline_flux import FluxPipeline
-    from mxdit.training.lora import adapters, load_lora
+    from mxdit.model.lora import adapters
+    from mxdit.training.lora import load_lora
 
     out = tmp_path / "flux"
     argv = ["--model", str(FLUX_PIPELINE), "--data", str(photos), "--output", str(out), "--steps", "24",
@@ -336,7 +338,7 @@ def test_flux_lora_trains_from_the_command_line(photos, tmp_path, capsys):
     assert np.abs(b).max() > 0
     # The file read as any diffusers-layout LoRA (lora_files, checked against diffusers on FLUX elsewhere): the same
     # velocity as with our own loader.
-    from mxdit.training.lora_files import apply_loras
+    from mxdit.model.lora_files import apply_loras
 
     other = FluxPipeline.from_pretrained(FLUX_PIPELINE, jnp.float32).transformer
     rng = np.random.default_rng(1)

@@ -1,14 +1,13 @@
-"""LoRA adapters on the `Linear` layers of a frozen model: add, split out for training, merge, unmerge, save, load.
+"""LoRA training on a frozen model: target presets, adding adapters, merge, unmerge, quantized base, save, load.
 
-An adapter on the layer `W` (out, in) adds `scale * B @ A @ dropout(x)` to its output, with `A` (rank, in) and `B`
-(out, rank), `scale = alpha / rank`, as PEFT does. It lives in the layer's `lora` attribute, so its matrices sit at
-`<module path>.lora.A` / `.B` beside the untouched `<module path>.weight`: the module path is diffusers' module name
-(`transformer_blocks.3.attn.to_q`), and the saved file uses diffusers' LoRA keys
+The adapter itself (`LoRA`, `LoraConfig`, `linear_layers`, `adapters`, `remove_lora`) is `model/lora.py`'s: an
+adapter on the layer `W` (out, in) adds `scale * B @ A @ dropout(x)`, A (rank, in), B (out, rank), held at
+`<module path>.lora.A` / `.B` beside the untouched `<module path>.weight`, the module path being diffusers' module
+name (`transformer_blocks.3.attn.to_q`). The saved file uses diffusers' LoRA keys
 `transformer.<module path>.lora_A.weight` / `.lora_B.weight` (PEFT's layout: lora_A (rank, in), lora_B (out, rank)).
 
-`A` and `B` are `nnx.LoRAParam`s in float32 (the master weights); the forward casts them to the input's dtype, so a
-bf16 model computes in bf16. `nnx.split(model, nnx.LoRAParam, ...)` separates them from the frozen base, which is
-never differentiated and may hold `quant.QuantizedArray` weights (see `quantize_base`).
+`nnx.split(model, nnx.LoRAParam, ...)` separates the float32 adapters from the frozen base, which is never
+differentiated and may hold `quant.QuantizedArray` weights (see `quantize_base`).
 """
 
 from __future__ import annotations
@@ -16,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import jax
@@ -24,8 +23,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from mxdit.model.layers import Linear
-from mxdit.model.loading import module_key, save_safetensors, unreadable_safetensors
+from mxdit.model.loading import save_safetensors, unreadable_safetensors
+from mxdit.model.lora import LoRA, LoraConfig, adapters, linear_layers, remove_lora
+from mxdit.model.lora_files import DIFFUSERS_METADATA_KEY, diffusers_metadata
 from mxdit.quant.model import quantize_linear_layers
 
 # The attention projections (q, k, v, the sigmoid gate, out) and the SwiGLU projections (gate, up, down) of every
@@ -61,92 +61,8 @@ TARGET_PRESETS = {
 }
 
 
-@dataclasses.dataclass(frozen=True)
-class LoraConfig:
-    """rank and alpha (scale = alpha / rank), dropout on the adapter's input while training, and the layers adapted:
-    regular expressions matched in full against each Linear's module path (`transformer_blocks.3.attn.to_q`); empty
-    (the default): the model family's attention and MLP projections (`target_preset(model, "attention+mlp")`)."""
-
-    rank: int = 32
-    alpha: float = 32.0
-    dropout: float = 0.0
-    targets: tuple[str, ...] = ()
-
-    def __post_init__(self):
-        if self.rank < 1:
-            raise ValueError(f"LoRA rank must be >= 1, got {self.rank}")
-        if not 0.0 <= self.dropout < 1.0:
-            raise ValueError(f"LoRA dropout must be in [0, 1), got {self.dropout}")
-        for pattern in self.targets:
-            try:
-                re.compile(pattern)
-            except re.error as e:
-                raise ValueError(f"LoRA target {pattern!r} is not a regular expression ({e})") from None
-
-    @property
-    def scale(self) -> float:
-        return self.alpha / self.rank
-
-
-class LoRA(nnx.Module):
-    """The adapter of one Linear: `y + scale * (dropout(x) @ A.T) @ B.T`, A (rank, in) and B (out, rank) float32.
-
-    `dropout_key` is set (to a fresh key each step) only on the copy of the model a training step traces; with it
-    None, as in the model you hold, there is no dropout. `merged`: the update is in the layer's weight (see
-    `merge_lora`), so the adapter adds nothing.
-    """
-
-    def __init__(self, in_features: int, out_features: int, config: LoraConfig, key: jax.Array):
-        # PEFT's "gaussian" init (diffusers' Krea 2 trainer): A ~ N(0, 1/rank^2), B = 0, so training starts at the base.
-        self.A = nnx.LoRAParam(jax.random.normal(key, (config.rank, in_features), jnp.float32) / config.rank)
-        self.B = nnx.LoRAParam(jnp.zeros((out_features, config.rank), jnp.float32))
-        self.scale = config.scale
-        self.dropout = config.dropout
-        self.dropout_key = nnx.data(None)
-        self.merged = False
-
-    @classmethod
-    def from_matrices(cls, A: jax.Array, B: jax.Array, scale: float) -> "LoRA":
-        """An adapter with given matrices (a LoRA read from a file): A (rank, in), B (out, rank), float32."""
-        rank = A.shape[0]
-        lora = cls(A.shape[1], B.shape[0], LoraConfig(rank=rank, alpha=scale * rank), jax.random.key(0))
-        lora.A.set_value(jnp.asarray(A, jnp.float32))
-        lora.B.set_value(jnp.asarray(B, jnp.float32))
-        return lora
-
-    def delta(self) -> jax.Array:
-        """The update of the layer's weight, `scale * B @ A` (out, in), float32."""
-        return self.scale * jnp.dot(self.B[...], self.A[...], precision=jax.lax.Precision.HIGHEST)
-
-    def __call__(self, x: jax.Array, y: jax.Array) -> jax.Array:
-        """x: (..., in), the layer's input; y: (..., out), its output without the adapter."""
-        if self.merged:
-            return y
-        if self.dropout_key is not None and self.dropout > 0:
-            keep = jax.random.bernoulli(self.dropout_key, 1.0 - self.dropout, x.shape)
-            x = jnp.where(keep, x / (1.0 - self.dropout), 0).astype(x.dtype)
-        dims = (((x.ndim - 1,), (1,)), ((), ()))
-        h = jax.lax.dot_general(x, self.A[...].astype(x.dtype), dims)
-        h = jax.lax.dot_general(h, self.B[...].astype(x.dtype), dims)
-        return y + (self.scale * h).astype(y.dtype)
-
-
 # --------------------------------------------------------------------------------------------------------------------
 # Adding, finding, removing
-
-
-def linear_layers(model: nnx.Module) -> Iterator[tuple[str, Linear]]:
-    """(module path, layer) for every Linear of `model`, in graph order."""
-    for path, node in nnx.iter_graph(model):
-        if isinstance(node, Linear):
-            yield module_key(path), node
-
-
-def adapters(model: nnx.Module) -> Iterator[tuple[str, LoRA]]:
-    """(module path of the adapted Linear, adapter), in graph order."""
-    for name, layer in linear_layers(model):
-        if layer.lora is not None:
-            yield name, layer.lora
 
 
 def model_family(model: nnx.Module) -> str:
@@ -192,12 +108,6 @@ def add_lora(model: nnx.Module, config: LoraConfig, seed: int = 0) -> list[str]:
         layer.lora = nnx.data(LoRA(layer.in_features, layer.out_features, config, jax.random.fold_in(key, i)))
         added.append(name)
     return added
-
-
-def remove_lora(model: nnx.Module) -> None:
-    """Detach every adapter (a merged update stays in the weights: unmerge first to drop it)."""
-    for _, layer in linear_layers(model):
-        layer.lora = nnx.data(None)
 
 
 def lora_config_of(model: nnx.Module) -> tuple[int, float, float]:
@@ -269,25 +179,6 @@ def lora_state_dict(model: nnx.Module, prefix: str = PREFIX) -> dict[str, np.nda
         out[f"{prefix}{name}.lora_A.weight"] = np.asarray(lora.A[...])
         out[f"{prefix}{name}.lora_B.weight"] = np.asarray(lora.B[...])
     return out
-
-
-DIFFUSERS_METADATA_KEY = "lora_adapter_metadata"  # diffusers' loaders/lora_base.py LORA_ADAPTER_METADATA_KEY
-
-
-def diffusers_metadata(model: nnx.Module) -> str:
-    """The adapters' ranks and alphas as diffusers' `save_lora_weights` writes them in the safetensors metadata
-    `lora_adapter_metadata` (PEFT LoraConfig fields prefixed `transformer.`), which `load_lora_weights` reads: the
-    most common rank and alpha, others in rank_pattern / alpha_pattern. Without it diffusers takes alpha = rank.
-    PEFT matches a pattern against the end of a module path, after any prefix ending in a dot, so each is anchored
-    with `^` (as diffusers anchors its own): else FLUX's `proj_out` matches `single_transformer_blocks.N.proj_out`."""
-    ranks = {name: int(a.A.shape[0]) for name, a in adapters(model)}
-    alphas = {name: float(a.scale) * ranks[name] for name, a in adapters(model)}
-    rank = max(set(ranks.values()), key=list(ranks.values()).count)
-    alpha = max(set(alphas.values()), key=list(alphas.values()).count)
-    config = {"r": rank, "lora_alpha": alpha, "target_modules": sorted(ranks),
-              "rank_pattern": {"^" + re.escape(n): r for n, r in ranks.items() if r != rank},
-              "alpha_pattern": {"^" + re.escape(n): a for n, a in alphas.items() if a != alpha}}
-    return json.dumps({f"transformer.{k}": v for k, v in config.items()}, sort_keys=True)
 
 
 def save_lora(model: nnx.Module, path: str | Path, config: LoraConfig, extra: Mapping[str, str] | None = None) -> None:

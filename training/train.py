@@ -43,10 +43,11 @@ from flax import nnx
 
 from mxdit.model.flow_match import ShiftConfig, calculate_shift
 from mxdit.model.loading import write_atomically
+from mxdit.model.lora import LoraConfig, adapters
 from mxdit.model.pipeline_common import image_position_ids, pack_latents
 
 from . import data as data_lib
-from .lora import LoraConfig, add_lora, adapters, save_lora
+from .lora import add_lora, save_lora
 
 REMAT_POLICIES = {
     "none": None,  # keep every activation of the backward pass
@@ -275,7 +276,7 @@ def _cache_tag(pipe, model_tag: str) -> str:
 def _comparable(config: TrainConfig, lora_config: LoraConfig, model, model_tag: str) -> dict:
     """What must match for a resume: the configs (but for RESUMABLE_CHANGES) and the base model (tag, dtype, the
     formats of a quantized base)."""
-    from .lora import linear_layers
+    from mxdit.model.lora import linear_layers
 
     train = {k: v for k, v in dataclasses.asdict(config).items() if k not in RESUMABLE_CHANGES}
     formats = sorted({layer.weight.get_value().fmt for _, layer in linear_layers(model)

@@ -32,8 +32,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from mxdit.model.loading import CheckpointError, SafetensorsCheckpoint, save_safetensors
-from mxdit.training.lora import DIFFUSERS_METADATA_KEY, LoRA, adapters, diffusers_metadata, linear_layers
+from .loading import CheckpointError, SafetensorsCheckpoint, save_safetensors
+from .lora import LoRA, adapters, linear_layers
 
 # (suffix, part): what each key of a LoRA file holds. "A" (rank, in), "B" (out, rank), "alpha" a scalar.
 _SUFFIXES = (
@@ -46,6 +46,7 @@ _SUFFIXES = (
 _PREFIXES = ("model.diffusion_model.", "diffusion_model.", "base_model.model.", "transformer.", "unet.")
 _KOHYA_PREFIXES = ("lora_unet_", "lora_transformer_")
 LAYOUTS = ("diffusers", "comfyui")
+DIFFUSERS_METADATA_KEY = "lora_adapter_metadata"  # diffusers' loaders/lora_base.py LORA_ADAPTER_METADATA_KEY
 
 # A target of a file's module: our module path and the rows of B it takes (None: all; else an index array, for an
 # original layer that fuses several of ours or orders its rows otherwise).
@@ -365,8 +366,24 @@ def _fuse(layer, delta: np.ndarray) -> None:
 # Exporting
 
 
+def diffusers_metadata(model: nnx.Module) -> str:
+    """The adapters' ranks and alphas as diffusers' `save_lora_weights` writes them in the safetensors metadata
+    `lora_adapter_metadata` (PEFT LoraConfig fields prefixed `transformer.`), which `load_lora_weights` reads: the
+    most common rank and alpha, others in rank_pattern / alpha_pattern. Without it diffusers takes alpha = rank.
+    PEFT matches a pattern against the end of a module path, after any prefix ending in a dot, so each is anchored
+    with `^` (as diffusers anchors its own): else FLUX's `proj_out` matches `single_transformer_blocks.N.proj_out`."""
+    ranks = {name: int(a.A.shape[0]) for name, a in adapters(model)}
+    alphas = {name: float(a.scale) * ranks[name] for name, a in adapters(model)}
+    rank = max(set(ranks.values()), key=list(ranks.values()).count)
+    alpha = max(set(alphas.values()), key=list(alphas.values()).count)
+    config = {"r": rank, "lora_alpha": alpha, "target_modules": sorted(ranks),
+              "rank_pattern": {"^" + re.escape(n): r for n, r in ranks.items() if r != rank},
+              "alpha_pattern": {"^" + re.escape(n): a for n, a in alphas.items() if a != alpha}}
+    return json.dumps({f"transformer.{k}": v for k, v in config.items()}, sort_keys=True)
+
+
 def export_lora(model: nnx.Module, path: str | Path, layout: str = "diffusers") -> None:
-    """Write the model's adapters (training/lora.py's, merged or not) to the safetensors file `path`.
+    """Write the model's adapters (`lora.LoRA`s, merged or not) to the safetensors file `path`.
 
     "diffusers": `transformer.<module>.lora_A.weight` (rank, in) / `.lora_B.weight` (out, rank) float32, with rank and
     alpha in the metadata `lora_adapter_metadata` as diffusers' `save_lora_weights` writes them, which is what
