@@ -4,6 +4,8 @@ smoothing and the INT8 quantization of Q and K in one read of the raw projection
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -82,6 +84,64 @@ def _qk_prologue(q_src, q_heads, k_src, k_heads, norm_q, norm_k, eps, cos, sin, 
     return (qi, qs, ki, ks) if values is None else (qi, qs, ki, ks, v_range)
 
 
+def _rotated(x_ref, c, sn, we_ref, wo_ref, head, *, tile, eps):
+    """One head's (tile, head_dim / 2) real and imaginary parts of a prologue tile after the norm and the rotation:
+    every other channel from 0 and from 1 (two strided loads), RMS-normed over both, times the norm's weight halves,
+    rotated by the tables c, sn."""
+    from jax.experimental import pallas as pl
+
+    d = x_ref.shape[-1]
+    half = d // 2
+    one = pl.ds(head, 1)  # (a slice of one, not an integer: interpret mode's strided loads take only slices)
+    even, odd = (x_ref[:, one, pl.ds(start, half, stride=2)].reshape(tile, half).astype(jnp.float32)
+                 for start in (0, 1))
+    inv = jax.lax.rsqrt((jnp.sum(even * even, axis=-1) + jnp.sum(odd * odd, axis=-1)) / d + eps)[:, None]
+    even = even * inv * we_ref[...]
+    odd = odd * inv * wo_ref[...]
+    return even * c - odd * sn, odd * c + even * sn
+
+
+def _tables_and_mask(lengths_ref, c_ref, s_ref, *, tile):
+    """The rotary tables (tile, head_dim / 2), loaded once for a program's heads, and which of its rows are valid
+    keys (tile, 1)."""
+    from jax.experimental import pallas as pl
+
+    c, sn = c_ref[...], s_ref[...]
+    rows = pl.program_id(1) * tile + jax.lax.broadcasted_iota(jnp.int32, (tile, 1), 0)
+    return c, sn, rows < lengths_ref[pl.program_id(0)]
+
+
+def _sums_kernel(lengths_ref, x_ref, c_ref, s_ref, we_ref, wo_ref, *refs, group, tile, eps, with_v, key_range):
+    """`rms_rope_quantize(block_sums=True)`'s program: per head, the normed, rotated values summed over the tile's
+    valid rows; with `key_range` their per-channel max and min; `with_v`: V's max, min and sum over those rows."""
+    from jax.experimental import pallas as pl
+
+    refs = list(refs)
+    v_ref = refs.pop(0) if with_v else None
+    sum_ref = refs.pop(0)
+    range_ref = refs.pop(0) if with_v else None
+    key_range_ref = refs.pop(0) if key_range else None
+    d = x_ref.shape[-1]
+    half = d // 2
+    c, sn, keep = _tables_and_mask(lengths_ref, c_ref, s_ref, tile=tile)
+
+    def valid_max_min(v):
+        return jnp.max(jnp.where(keep, v, -jnp.inf), axis=0), jnp.min(jnp.where(keep, v, jnp.inf), axis=0)
+
+    for head in range(group):
+        one = pl.ds(head, 1)
+        real, imag = _rotated(x_ref, c, sn, we_ref, wo_ref, head, tile=tile, eps=eps)
+        for start, v in ((0, real), (half, imag)):
+            sum_ref[one, pl.ds(start, half)] = jnp.sum(jnp.where(keep, v, 0.0), axis=0)[None]
+            if key_range_ref is not None:
+                for i, part in enumerate(valid_max_min(v)):
+                    key_range_ref[one, pl.ds(i, 1), pl.ds(start, half)] = part.reshape(1, 1, half)
+        if v_ref is not None:
+            v = v_ref[:, one, :].reshape(tile, d).astype(jnp.float32)
+            for i, part in enumerate((*valid_max_min(v), jnp.sum(jnp.where(keep, v, 0.0), axis=0))):
+                range_ref[one, pl.ds(i, 1), :] = part.reshape(1, 1, d)
+
+
 def rms_rope_quantize(x, weight, eps, cos_half, sin_half, mean, lengths, multiplier, block, interpret,
                       num_warps: int = 8, heads: tuple[int, int] | None = None, heads_per_program: int = 1,
                       block_sums: bool = False, natural_order: bool = False,
@@ -138,21 +198,8 @@ def rms_rope_quantize(x, weight, eps, cos_half, sin_half, mean, lengths, multipl
     masked = lengths is not None
     lengths = jnp.full((b,), s, jnp.int32) if lengths is None else lengths
 
-    def rotated(x_ref, c, sn, we_ref, wo_ref, head):
-        """One head's (block, half) real and imaginary parts after the norm and the rotation."""
-        one = pl.ds(head, 1)  # (a slice of one, not an integer: interpret mode's strided loads take only slices)
-        even, odd = (x_ref[:, one, pl.ds(start, half, stride=2)].reshape(tile, half).astype(jnp.float32)
-                     for start in (0, 1))  # every other channel from 0 and from 1: two strided loads
-        inv = jax.lax.rsqrt((jnp.sum(even * even, axis=-1) + jnp.sum(odd * odd, axis=-1)) / d + eps)[:, None]
-        even = even * inv * we_ref[...]
-        odd = odd * inv * wo_ref[...]
-        return even * c - odd * sn, odd * c + even * sn
-
-    def tables_and_mask(lengths_ref, c_ref, s_ref):
-        """The tables (tile, half), loaded once for the group's heads, and which rows are valid keys (tile, 1)."""
-        c, sn = c_ref[...], s_ref[...]
-        rows = pl.program_id(1) * tile + jax.lax.broadcasted_iota(jnp.int32, (tile, 1), 0)
-        return c, sn, rows < lengths_ref[pl.program_id(0)]
+    rotated = functools.partial(_rotated, tile=tile, eps=eps)
+    tables_and_mask = functools.partial(_tables_and_mask, tile=tile)
 
     def kernel(lengths_ref, x_ref, c_ref, s_ref, we_ref, wo_ref, me_ref, mo_ref, *refs):
         steps_ref, q_ref, scale_ref = (*refs, None) if steps is not None else (None, *refs)
@@ -182,29 +229,8 @@ def rms_rope_quantize(x, weight, eps, cos_half, sin_half, mean, lengths, multipl
             if steps_ref is None:
                 scale_ref[one] = step.reshape(1)
 
-    def sums_kernel(lengths_ref, x_ref, c_ref, s_ref, we_ref, wo_ref, *refs):
-        refs = list(refs)
-        v_ref = refs.pop(0) if v_src is not None else None
-        sum_ref = refs.pop(0)
-        range_ref = refs.pop(0) if v_src is not None else None
-        key_range_ref = refs.pop(0) if key_range else None
-        c, sn, keep = tables_and_mask(lengths_ref, c_ref, s_ref)
-
-        def valid_max_min(v):
-            return jnp.max(jnp.where(keep, v, -jnp.inf), axis=0), jnp.min(jnp.where(keep, v, jnp.inf), axis=0)
-
-        for head in range(group):
-            one = pl.ds(head, 1)
-            real, imag = rotated(x_ref, c, sn, we_ref, wo_ref, head)
-            for start, v in ((0, real), (half, imag)):
-                sum_ref[one, pl.ds(start, half)] = jnp.sum(jnp.where(keep, v, 0.0), axis=0)[None]
-                if key_range_ref is not None:
-                    for i, part in enumerate(valid_max_min(v)):
-                        key_range_ref[one, pl.ds(i, 1), pl.ds(start, half)] = part.reshape(1, 1, half)
-            if v_ref is not None:
-                v = v_ref[:, one, :].reshape(tile, d).astype(jnp.float32)
-                for i, part in enumerate((*valid_max_min(v), jnp.sum(jnp.where(keep, v, 0.0), axis=0))):
-                    range_ref[one, pl.ds(i, 1), :] = part.reshape(1, 1, d)
+    sums_kernel = functools.partial(_sums_kernel, group=group, tile=tile, eps=eps, with_v=v_src is not None,
+                                    key_range=key_range)
 
     in_specs = [
         pl.no_block_spec,
