@@ -5,7 +5,7 @@ shapes, config.json), runs the diffusers implementation on fixed inputs and save
 the test suite compares against diffusers without importing it. It also records the key names and shapes of the
 full-size released checkpoints, built on the meta device (`--only key_coverage`, see `fixtures/key_coverage.py`).
 
-    python3.11 -m venv /tmp/torch && /tmp/torch/bin/pip install torch==2.13.0 diffusers==0.42.1 transformers
+    python3.11 -m venv /tmp/torch && /tmp/torch/bin/pip install torch==2.13.0 diffusers==0.42.1 transformers peft sentencepiece protobuf
     /tmp/torch/bin/python scripts/make_fixtures.py            # rewrites tests/fixtures/
     /tmp/torch/bin/python scripts/make_fixtures.py --only lora   # one group (repeatable); see GROUPS
 

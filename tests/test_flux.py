@@ -21,7 +21,7 @@ from mxdit.model.tokenizer import TextTokenizer
 
 FLUX = FIXTURES / "flux"
 PIPELINE = FLUX / "tiny_pipeline"
-SCHNELL = FLUX / "tiny_schnell"  # only what differs from PIPELINE (scripts/make_fixtures.py, FLUX_SCHNELL_PARTS)
+SCHNELL = FLUX / "tiny_schnell"  # only what differs from PIPELINE (scripts/fixtures/flux.py, FLUX_SCHNELL_PARTS)
 PROMPTS = ["a red fox in the snow, photo", "an old house near the river at night"]
 # The transformer's float32 parity with diffusers (measured 7.8e-6, see below), and the pipelines' through it
 FLUX_FLOAT32 = 3e-5
