@@ -32,7 +32,7 @@ ROWS = (1, 64, 256)
                                   "modulated_layer_norm_fp8", "swiglu_fp8", "tokens_fp8", "sigmoid_gated_fp8",
                                   "swiglu_fp8 (4 rows)", "tokens_fp8 (4 rows)", "sigmoid_gated_fp8 (4 rows)"])
 def test_fused_fp8_producers_lower(name):
-    """Each row kernel, with its default rows a program (`ROWS_PER_PROGRAM`) and with another."""
+    """Each row kernel, with its default rows a program (`default_rows_per_program`) and with another."""
     calls = {
         "modulated_rms_norm_fp8": (lambda x, w, a, s: A.modulated_rms_norm_fp8(x, w, a, s, 1e-6),
                                    (ROWS, BF16), ((256,), F32), ((1, 1, 256), BF16), ((1, 1, 256), BF16)),
