@@ -20,11 +20,11 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 from mxdit.cli import DTYPES, OneLineErrorParser, add_device_arguments, check_device_arguments, mesh_from_arguments
+from mxdit.model.inference import QUANTIZED_NEEDS_MODEL, InferenceOptions, options_error
 from mxdit.ops.names import AttentionKernel, Precision
 
 MIN_SIDE, MAX_SIDE, MULTIPLE = 64, 4096, 16
@@ -134,26 +134,23 @@ def parse_args(argv=None) -> argparse.Namespace:
     check_device_arguments(parser, args)
     if args.quantized is not None:
         if args.model is None:
-            parser.error("--quantized needs --model (the folder with the other components and transformer/config.json)")
+            parser.error(QUANTIZED_NEEDS_MODEL)
         if not args.quantized.is_file():
             parser.error(f"--quantized {args.quantized}: no such file")
-        for given, name in ((args.precision != "bf16", "--precision"), (args.mesh is not None, "--mesh"),
-                            (args.fuse_lora, "--fuse-lora")):
-            if given:
-                parser.error(f"--quantized with {name}: the file's formats are the precision; {name} is not "
-                             "supported with it")
-    if args.mesh is not None and args.precision != "bf16":
-        parser.error(f"--precision {args.precision} with --mesh: sharded runs take bf16 weights for now")
-    if args.offload is not None:
-        if args.offload < 0:
-            parser.error(f"--offload {args.offload}: the number of resident blocks must be >= 0")
-        if args.prefetch < 1:
-            parser.error(f"--prefetch {args.prefetch}: must be >= 1")
-        for given, name in ((args.mesh is not None, "--mesh"), (args.fuse_lora, "--fuse-lora")):
-            if given:
-                parser.error(f"--offload with {name}: not supported together yet")
+    error = options_error(precision=args.precision, quantized=args.quantized is not None, sharded=args.mesh is not None,
+                          offload=args.offload, prefetch=args.prefetch, fuse_loras=args.fuse_lora)
+    if error is not None:
+        parser.error(error)
     args.dtype = args.dtype or ("fp32" if args.demo else "bf16")
     return args
+
+
+def inference_options(args: argparse.Namespace, mesh=None) -> InferenceOptions:
+    """The parsed arguments as `build_pipeline`'s options; `mesh`: the --mesh's `jax.sharding.Mesh`."""
+    return InferenceOptions(
+        precision=Precision(args.precision), attention=AttentionKernel(args.attention) if args.attention else None,
+        dtype=DTYPES[args.dtype], offload=args.offload, prefetch=args.prefetch, loras=tuple(args.loras),
+        fuse_loras=args.fuse_lora, quantized=args.quantized, mesh=mesh, sequence_attention=args.sequence_attention)
 
 
 def output_paths(output: Path, count: int) -> list[Path]:
@@ -209,62 +206,19 @@ def main(argv=None) -> int:
 def generate(args: argparse.Namespace, started: float) -> int:
     """The run after parsing: load, generate, write the PNGs, print the stage table (seconds since `started`)."""
     import jax
-    import jax.numpy as jnp
     from tqdm import tqdm
 
+    from mxdit.model.inference import build_pipeline
     from mxdit.model.loading import CheckpointError
     from mxdit.model.pipeline_flux import FluxPipeline
-    from mxdit.model.pipeline_krea2 import demo_pipeline
-    from mxdit.model.pipelines import load_pipeline, prepare_transformer
 
-    dtype = getattr(jnp, DTYPES[args.dtype])
     t0 = time.perf_counter()
     stages = {"start-up": t0 - started}  # parsing, importing jax and mxdit
     try:
-        mesh = mesh_from_arguments(args)
+        options = inference_options(args, mesh_from_arguments(args))
         if args.demo:
-            with tempfile.TemporaryDirectory(prefix="mxdit-demo-tokenizer-") as folder:  # read, then removed
-                pipe = demo_pipeline(Path(folder), seed=0, dtype=dtype)
             print("mxdit demo: tiny Krea 2-shaped model with RANDOM weights -- the image is noise, not a picture.")
-        else:
-            from mxdit.model.loading import place_parameters
-
-            places = []  # applied to each tensor as it is read
-            if args.quantized is None and args.precision != "bf16" and not args.fuse_lora:
-                # quantized as read: never all in bf16 on the device
-                from mxdit.quant.model import flux_rules, krea2_rules, quantize_on_load
-
-                fmt = Precision(args.precision).weight_format
-                # Both families' rules: each selects only its own blocks' matrices (the text encoders' keys match
-                # neither).
-                places.append(quantize_on_load(krea2_rules(fmt) + flux_rules(fmt)))
-            if args.offload is not None:  # the streamed blocks go straight to host memory (after quantizing)
-                from mxdit.model.offload import streamed_placement_for_folder
-
-                places.append(streamed_placement_for_folder(args.model, args.offload))
-            with place_parameters(*places):
-                pipe = load_pipeline(args.model, dtype=dtype, quantized_transformer=args.quantized)
-        if args.attention:
-            from mxdit.ops.attention import attention_implementation
-
-            pipe.transformer.attention = attention_implementation(args.attention, dtype)
-        if args.loras:
-            from mxdit.model.lora_files import apply_loras
-
-            apply_loras(pipe.transformer, args.loras, fuse=args.fuse_lora)  # before sharding: it places the adapters
-        # --precision: quantized here for the demo, or after fusing LoRAs (the fused weights are what gets
-        # quantized); Q/K/V(/gate, /MLP) and gate/up as one product each (not the layers with run-time LoRAs)
-        prepare_transformer(pipe.transformer, args.precision, stack=mesh is None)
-        if args.offload is not None:
-            from mxdit.model.offload import offload_pipeline
-
-            pipe = offload_pipeline(pipe, resident=args.offload, prefetch=args.prefetch)
-        if mesh is not None:
-            if isinstance(pipe, FluxPipeline):
-                raise ValueError("--mesh: FLUX.1 runs on one device for now (sharding covers Krea 2)")
-            from mxdit.sharding.krea2 import shard_krea2_pipeline
-
-            pipe = shard_krea2_pipeline(pipe, mesh, method=args.sequence_attention)
+        pipe = build_pipeline(None if args.demo else args.model, options)
     except (CheckpointError, ValueError) as e:
         print(f"generate.py: error: {e}", file=sys.stderr)
         return 2

@@ -1,0 +1,167 @@
+"""The one way to assemble a pipeline for inference: `InferenceOptions` say how (precision, attention kernel, weight
+streaming, LoRAs, a quantized checkpoint, stacked projections, a device mesh, dtype) and `build_pipeline` loads and
+prepares the model accordingly. generate.py, eval_quality.py, train_lora.py (its validation model) and the benchmarks
+call it.
+
+This module imports no jax until `build_pipeline` runs, so that a command line checks its options
+(`options_error`) before it imports the models.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tempfile
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from mxdit.ops.names import AttentionKernel, Precision
+
+if TYPE_CHECKING:
+    from jax.sharding import Mesh
+
+    from .pipeline_flux import FluxPipeline
+    from .pipeline_krea2 import Krea2Pipeline
+
+QUANTIZED_NEEDS_MODEL = "--quantized needs --model (the folder with the other components and transformer/config.json)"
+
+
+def options_error(*, precision: Precision | str, quantized: bool, sharded: bool, offload: int | None, prefetch: int,
+                  fuse_loras: bool) -> str | None:
+    """What is wrong with these options together, as one line naming generate.py's flags, or None when they go
+    together. `quantized`: a quantized checkpoint is read; `sharded`: a device mesh is used."""
+    if quantized:
+        for given, name in ((precision != Precision.BF16, "--precision"), (sharded, "--mesh"),
+                            (fuse_loras, "--fuse-lora")):
+            if given:
+                return f"--quantized with {name}: the file's formats are the precision; {name} is not supported with it"
+    if sharded and precision != Precision.BF16:
+        return f"--precision {precision} with --mesh: sharded runs take bf16 weights for now"
+    if offload is not None:
+        if offload < 0:
+            return f"--offload {offload}: the number of resident blocks must be >= 0"
+        if prefetch < 1:
+            return f"--prefetch {prefetch}: must be >= 1"
+        for given, name in ((sharded, "--mesh"), (fuse_loras, "--fuse-lora")):
+            if given:
+                return f"--offload with {name}: not supported together yet"
+    return None
+
+
+@dataclasses.dataclass(frozen=True)
+class InferenceOptions:
+    """How `build_pipeline` prepares a model. Options that do not go together raise ValueError (`options_error`).
+
+    precision: the transformer blocks' matrices in this format, multiplied by the low-precision GEMM kernels with
+        activations quantized per token (BF16: the `dtype` weights as they are).
+    attention: the attention kernel; None: the device's default (cuDNN on a GPU for 16-bit dtypes, XLA elsewhere).
+    dtype: the weights' and the compute's dtype, a `jax.numpy` name ("bfloat16", "float32").
+    offload: keep the first `offload` transformer blocks (in running order) on the device and stream the others from
+        host memory, where they are loaded straight to; None: all on the device. prefetch: with `offload`, copy the
+        streamed blocks this many blocks ahead (prefetch + 1 blocks' device memory).
+    loras: (LoRA file, weight) pairs, files in any layout `lora_files.read_lora` reads; applied at run time, or fused
+        into the weights with `fuse_loras`.
+    quantized: a quantized checkpoint of the transformer (scripts/quantize.py) read in place of the model folder's
+        transformer weights; its formats are the precision.
+    stack: the projections that share an input (Q/K/V/gate, gate/up) as one product each; never with a `mesh`, whose
+        sharding places them by name.
+    mesh: run the denoising loop on this device mesh (Krea 2); sequence_attention: with a `seq` axis above 1,
+        "ulysses" or "ring" (None: Ulysses when the heads divide by seq, else ring).
+    """
+
+    precision: Precision = Precision.BF16
+    attention: AttentionKernel | None = None
+    dtype: str = "bfloat16"
+    offload: int | None = None
+    prefetch: int = 2
+    loras: tuple[tuple[Path, float], ...] = ()
+    fuse_loras: bool = False
+    quantized: Path | None = None
+    stack: bool = True
+    mesh: Mesh | None = None
+    sequence_attention: str | None = None
+
+    def __post_init__(self):
+        object.__setattr__(self, "precision", Precision(self.precision))
+        if self.attention is not None:
+            object.__setattr__(self, "attention", AttentionKernel(self.attention))
+        object.__setattr__(self, "loras", tuple((Path(path), float(weight)) for path, weight in self.loras))
+        if self.quantized is not None:
+            object.__setattr__(self, "quantized", Path(self.quantized))
+        error = options_error(precision=self.precision, quantized=self.quantized is not None,
+                              sharded=self.mesh is not None, offload=self.offload, prefetch=self.prefetch,
+                              fuse_loras=self.fuse_loras)
+        if error is not None:
+            raise ValueError(error)
+
+
+def build_pipeline(model: str | Path | None, options: InferenceOptions = InferenceOptions()
+                   ) -> Krea2Pipeline | FluxPipeline:
+    """A pipeline ready to call: `model`, a diffusers-layout Krea 2 or FLUX.1 folder (None: the built-in tiny Krea 2
+    model with RANDOM weights, seed 0), prepared as `options` say. In this order: the weights read (quantized to
+    `precision` as they are read unless LoRAs are fused first; streamed blocks straight to host memory), the
+    attention kernel set, the LoRAs applied or fused (before sharding: it places the adapters), the blocks' matrices
+    quantized (the demo's, or the fused weights) and the projections stacked, the blocks streamed, the denoising
+    loop sharded over the mesh.
+
+    Raises CheckpointError for a folder or file that cannot be read, ValueError for a LoRA that does not fit the
+    model or an option the model does not take (one line naming the file or the flag), and jax's JaxRuntimeError
+    when the device runs out of memory.
+    """
+    import jax.numpy as jnp
+
+    from .pipeline_flux import FluxPipeline
+    from .pipelines import prepare_transformer
+
+    dtype = getattr(jnp, options.dtype)
+    pipe = _load(model, options, dtype)
+    if options.attention is not None:
+        from mxdit.ops.attention import attention_implementation
+
+        pipe.transformer.attention = attention_implementation(options.attention, dtype)
+    if options.loras:
+        from .lora_files import apply_loras
+
+        apply_loras(pipe.transformer, options.loras, fuse=options.fuse_loras)
+    # Quantized here for the demo, or after fusing LoRAs (the fused weights are what gets quantized); Q/K/V(/gate,
+    # /MLP) and gate/up as one product each (not the layers with run-time LoRAs).
+    prepare_transformer(pipe.transformer, options.precision, stack=options.stack and options.mesh is None)
+    if options.offload is not None:
+        from .offload import offload_pipeline
+
+        pipe = offload_pipeline(pipe, resident=options.offload, prefetch=options.prefetch)
+    if options.mesh is not None:
+        if isinstance(pipe, FluxPipeline):
+            raise ValueError("--mesh: FLUX.1 runs on one device for now (sharding covers Krea 2)")
+        from mxdit.sharding.krea2 import shard_krea2_pipeline
+
+        pipe = shard_krea2_pipeline(pipe, options.mesh, method=options.sequence_attention)
+    return pipe
+
+
+def _load(model: str | Path | None, options: InferenceOptions, dtype) -> Krea2Pipeline | FluxPipeline:
+    """The pipeline as read from `model` (None: the demo), with the quantization and the placement that happen as
+    the weights are read."""
+    if model is None:
+        if options.quantized is not None:
+            raise ValueError(QUANTIZED_NEEDS_MODEL)
+        from .pipeline_krea2 import demo_pipeline
+
+        with tempfile.TemporaryDirectory(prefix="mxdit-demo-tokenizer-") as folder:  # read, then removed
+            return demo_pipeline(Path(folder), seed=0, dtype=dtype)
+    from .loading import place_parameters
+    from .pipelines import load_pipeline
+
+    places = []  # applied to each tensor as it is read
+    if options.quantized is None and options.precision is not Precision.BF16 and not options.fuse_loras:
+        # quantized as read: never all in bf16 on the device
+        from mxdit.quant.model import flux_rules, krea2_rules, quantize_on_load
+
+        fmt = options.precision.weight_format
+        # Both families' rules: each selects only its own blocks' matrices (the text encoders' keys match neither).
+        places.append(quantize_on_load(krea2_rules(fmt) + flux_rules(fmt)))
+    if options.offload is not None:  # the streamed blocks go straight to host memory (after quantizing)
+        from .offload import streamed_placement_for_folder
+
+        places.append(streamed_placement_for_folder(model, options.offload))
+    with place_parameters(*places):
+        return load_pipeline(model, dtype=dtype, quantized_transformer=options.quantized)
