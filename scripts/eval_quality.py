@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import tempfile
 from pathlib import Path
 
 from mxdit.ops.names import AttentionKernel
@@ -37,10 +36,9 @@ def main(argv=None) -> int:
                         help="with --kernels: also rows with this attention kernel (generate.py --attention)")
     args = parser.parse_args(argv)
 
-    import jax.numpy as jnp
-
+    from mxdit.model.inference import InferenceOptions, build_pipeline
     from mxdit.model.loading import CheckpointError
-    from mxdit.model.pipeline_krea2 import Krea2Pipeline, demo_pipeline
+    from mxdit.model.pipeline_krea2 import Krea2Pipeline
     from mxdit.model.quality import format_table, krea2_quality
 
     if args.attention and not args.kernels:
@@ -48,13 +46,14 @@ def main(argv=None) -> int:
     size = args.size or (64 if args.demo else 1024)
     if size % 16:
         parser.error(f"--size {size}: must be a multiple of 16")
+    # The reference as loaded: the table quantizes (and, for the GEMM rows, stacks) copies of it itself.
+    options = InferenceOptions(dtype="float32" if args.demo else "bfloat16", stack=False)
     try:
         if args.demo:
-            with tempfile.TemporaryDirectory(prefix="mxdit-demo-tokenizer-") as folder:  # read, then removed
-                pipe = demo_pipeline(Path(folder), dtype=jnp.float32)
             print("demo: RANDOM weights -- the figures show the machinery works, not how good a format is")
-        else:
-            pipe = Krea2Pipeline.from_pretrained(args.model, jnp.bfloat16)
+        pipe = build_pipeline(None if args.demo else args.model, options)
+        if not isinstance(pipe, Krea2Pipeline):
+            raise ValueError(f"--model {args.model}: a {type(pipe).__name__}; the quality table is Krea 2's")
     except (CheckpointError, ValueError) as e:
         print(f"eval_quality.py: error: {e}", file=sys.stderr)
         return 2

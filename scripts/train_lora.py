@@ -121,10 +121,12 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     import jax.numpy as jnp
 
+    from mxdit.model.inference import InferenceOptions, build_pipeline
     from mxdit.model.loading import CheckpointError
+    from mxdit.model.lora import LoraConfig
     from mxdit.model.pipelines import load_pipeline
     from mxdit.training.data import DataError
-    from mxdit.training.lora import LoraConfig, model_family, quantize_base, target_preset
+    from mxdit.training.lora import model_family, quantize_base, target_preset
     from mxdit.training.train import TrainConfig, TrainError, check_inputs, train
 
     try:
@@ -156,8 +158,9 @@ def main(argv=None) -> int:
         lora_config = LoraConfig(rank=args.rank, alpha=args.alpha if args.alpha is not None else float(args.rank),
                                  dropout=args.dropout, targets=targets)
         validation_pipe = None
-        if args.validation_model is not None:
-            validation_pipe = load_pipeline(args.validation_model, dtype)
+        if args.validation_model is not None:  # the adapters are copied onto its unstacked projections
+            validation_pipe = build_pipeline(args.validation_model, InferenceOptions(dtype=DTYPES[args.dtype],
+                                                                                     stack=False))
             if type(validation_pipe) is not type(pipe):
                 raise TrainError(f"--validation-model {args.validation_model}: a {type(validation_pipe).__name__}, "
                                  f"but the model trained is a {type(pipe).__name__}")
