@@ -109,11 +109,20 @@ def build_pipeline(model: str | Path | None, options: InferenceOptions = Inferen
     """
     import jax.numpy as jnp
 
+    return prepare_pipeline(_load(model, options, getattr(jnp, options.dtype)), options)
+
+
+def prepare_pipeline(pipe: Krea2Pipeline | FluxPipeline, options: InferenceOptions = InferenceOptions()
+                     ) -> Krea2Pipeline | FluxPipeline:
+    """`build_pipeline`'s steps after the weights are read, on a pipeline built in memory (the benchmarks' models of
+    random full-size weights): the attention kernel, the LoRAs, the blocks' matrices quantized to `precision` and
+    stacked, offload, sharding. Returns the pipeline (offload and sharding return a new one)."""
+    import jax.numpy as jnp
+
     from .pipeline_flux import FluxPipeline
     from .pipelines import prepare_transformer
 
     dtype = getattr(jnp, options.dtype)
-    pipe = _load(model, options, dtype)
     if options.attention is not None:
         from mxdit.ops.attention import attention_implementation
 
