@@ -83,11 +83,11 @@ def int8_attention_fused(q, k, v, norm_q, norm_k, eps: float, cos, sin, *, kv_le
     prologue runs as a pass."""
     _, scale = _heads_and_scale(q, k, scale)
     _check_pv(pv)
-    if backend == "mosaic" and jnp.dtype(q.dtype) == jnp.dtype(out_dtype):
+    config = config or _fused_default_config(backend, pv, q.shape[3], q.shape[1], q.dtype, out_dtype, interpret)
+    if _q_in_kernel(backend, q.dtype, out_dtype):
         return _mosaic_with_q_in_kernel(q, q.shape[2], k, (0, k.shape[2]), v, 0, norm_q, norm_k, eps, cos, sin,
                                         kv_lengths, scale=scale, pv=pv, config=config, interpret=interpret,
                                         out_dtype=out_dtype)
-    config = config or default_config(backend, pv, q.shape[3], q.shape[1], interpret=interpret)
     qi, qs, ki, ks = int8_qk_prologue(q, k, norm_q, norm_k, eps, cos, sin, kv_lengths, scale=scale,
                                       block_q=config.block_q, block_k=config.block_k, interpret=interpret,
                                       config=config.prologue)
@@ -108,8 +108,7 @@ def int8_attention_fused_stacked(qkv, num_heads: int, num_kv_heads: int, norm_q,
         raise ValueError(f"qkv has {width} channels: not {num_heads} + 2 x {num_kv_heads} heads of {d} (and more)")
     _, scale = _group_and_scale(num_heads, num_kv_heads, d, scale)
     _check_pv(pv)
-    config = config or default_config(backend, pv, d, s, interpret=interpret,
-                                      float32_q_tiles=jnp.dtype(out_dtype).itemsize > 2)
+    config = config or _fused_default_config(backend, pv, d, s, qkv.dtype, out_dtype, interpret)
     x = qkv.reshape(b, s, width // d, d)
     options = dict(kv_lengths=kv_lengths, pv=pv, backend=backend, config=config, scale=scale, interpret=interpret,
                    out_dtype=out_dtype)
@@ -118,7 +117,7 @@ def int8_attention_fused_stacked(qkv, num_heads: int, num_kv_heads: int, norm_q,
                                                   (num_heads + num_kv_heads, num_kv_heads)))
         return int8_attention_fused(q, k, v, norm_q, norm_k, eps, cos, sin, **options)
     v = x[:, :, num_heads + num_kv_heads:num_heads + 2 * num_kv_heads]
-    if backend == "mosaic" and jnp.dtype(x.dtype) == jnp.dtype(out_dtype):
+    if _q_in_kernel(backend, x.dtype, out_dtype):
         return _mosaic_with_q_in_kernel(x, num_heads, x, (num_heads, num_kv_heads), x, num_heads + num_kv_heads,
                                         norm_q, norm_k, eps, cos, sin, kv_lengths, scale=scale, pv=pv, config=config,
                                         interpret=interpret, out_dtype=out_dtype)
@@ -129,14 +128,23 @@ def int8_attention_fused_stacked(qkv, num_heads: int, num_kv_heads: int, norm_q,
                               interpret=interpret, out_dtype=out_dtype)
 
 
+def _q_in_kernel(backend: str, q_dtype, out_dtype) -> bool:
+    """Whether the fused attention makes INT8 Q inside the Mosaic kernel: raw Q's tiles use the output tiles' shared
+    memory, so they need its dtype (the models' case)."""
+    return backend == "mosaic" and jnp.dtype(q_dtype) == jnp.dtype(out_dtype)
+
+
+def _fused_default_config(backend, pv, head_dim, q_len, q_dtype, out_dtype, interpret) -> AttentionConfig:
+    """`default_config` for a fused call: Q made in the kernel from float32 tiles leaves less shared memory."""
+    float32_q_tiles = _q_in_kernel(backend, q_dtype, out_dtype) and jnp.dtype(out_dtype).itemsize > 2
+    return default_config(backend, pv, head_dim, q_len, interpret=interpret, float32_q_tiles=float32_q_tiles)
+
+
 def _mosaic_with_q_in_kernel(q_src, num_heads, k_src, k_heads, v_src, v_first, norm_q, norm_k, eps, cos, sin,
                              kv_lengths, *, scale, pv, config, interpret, out_dtype):
     """The fused attention on the Mosaic kernel with Q's prologue inside it: K's prologue passes (natural channel
     order) and the kernel, which reads Q's first `num_heads` heads of `q_src` in place. V: the heads of `v_src`
     from `v_first` on, as many as K's; with FP8 P.V, K's sums pass reads their range in place."""
-    d, s = k_src.shape[3], k_src.shape[1]
-    config = config or default_config("mosaic", pv, d, s, interpret=interpret,
-                                      float32_q_tiles=jnp.dtype(out_dtype).itemsize > 2)
     if config.block_q != MOSAIC_ROWS:
         raise ValueError(f"the mosaic backend quantizes Q per row in blocks of {MOSAIC_ROWS} (one warpgroup): "
                          f"block_q must be {MOSAIC_ROWS}, got {config.block_q}")

@@ -7,7 +7,6 @@ from __future__ import annotations
 import dataclasses
 
 MOSAIC_ROWS = 64  # query rows of a Mosaic compute warpgroup (wgmma's M); also that backend's Q quantization block
-SHARED_MEMORY_BYTES = 232448  # an H100's or H200's shared memory a CTA can take
 
 
 @dataclasses.dataclass(frozen=True)
