@@ -46,6 +46,7 @@ def jax_krea2_pipeline(args) -> list[dict]:
     from flax import nnx
 
     from mxdit.model.inference import InferenceOptions, prepare_pipeline
+    from mxdit.ops.attention import attention_implementation
 
     cache_dir = os.environ.get("JAX_COMPILATION_CACHE_DIR")  # looked at before anything here compiles
     cache = "from the compile cache" if cache_dir and any(Path(cache_dir).iterdir()) else "compiles"
@@ -60,11 +61,12 @@ def jax_krea2_pipeline(args) -> list[dict]:
     emit({"text_tokens": text_tokens, "real_text_tokens": int(np.asarray(mask).sum())})
     rows = []
     for precision in args.precisions:
-        # a copy each: the quantization rules name the unstacked projections, so every run starts from the
-        # unstacked bf16 model
+        # a copy each: the quantization rules name the unstacked projections, so every precision starts from the
+        # unstacked bf16 model; quantized once, then run with each attention kernel
+        pipe.transformer = nnx.clone(base)
+        pipe = prepare_pipeline(pipe, InferenceOptions(precision=precision))
         for attention in args.jax_attention:
-            pipe.transformer = nnx.clone(base)
-            pipe = prepare_pipeline(pipe, InferenceOptions(precision=precision, attention=attention))
+            pipe.transformer.attention = attention_implementation(attention, pipe.transformer.dtype)
             for run in range(1 + args.repeats):
                 out = pipe(args.prompt, height=args.height, width=args.width,
                            num_inference_steps=args.steps, trim_text=args.trim_text)
