@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from .loading import CheckpointError
@@ -24,6 +25,21 @@ def pack_latents(latents: jax.Array, p: int = 2) -> jax.Array:
     b, h, w, c = latents.shape
     x = latents.reshape(b, h // p, p, w // p, p, c).transpose(0, 1, 3, 5, 2, 4)
     return x.reshape(b, (h // p) * (w // p), c * p * p)
+
+
+def initial_noise(seed: int | Sequence[int], batch: int, grid_h: int, grid_w: int, channels: int, p: int = 2
+                  ) -> jax.Array:
+    """The packed initial noise (batch, grid_h * grid_w, channels) float32. One seed: `normal(key(seed))` drawn for
+    the whole batch, as a pipeline call with `seed=` has always drawn it. One seed per image: each image's noise as
+    if it were a batch of one with that seed, so that an image does not depend on the batch it was generated in."""
+    shape = (grid_h * p, grid_w * p, channels // (p * p))
+    if isinstance(seed, (int, np.integer)):
+        return pack_latents(jax.random.normal(jax.random.key(seed), (batch, *shape), jnp.float32), p)
+    seeds = list(seed)
+    if len(seeds) != batch:
+        raise ValueError(f"{len(seeds)} seeds for a batch of {batch} images")
+    return jnp.concatenate([pack_latents(jax.random.normal(jax.random.key(s), (1, *shape), jnp.float32), p)
+                            for s in seeds])
 
 
 def unpack_latents(packed: jax.Array, grid_h: int, grid_w: int, p: int = 2) -> jax.Array:

@@ -22,7 +22,8 @@ from .flow_match import NUM_TRAIN_TIMESTEPS, ShiftConfig, euler_step, flow_match
 from .flux import FluxTransformer
 from .images import to_pil
 from .loading import read_json
-from .pipeline_common import PipelineOutput, check_components, image_position_ids, pack_latents, unpack_latents
+from .pipeline_common import PipelineOutput, check_components, image_position_ids, initial_noise, unpack_latents
+from .programs import stored_jit
 from .t5_encoder import T5Encoder
 from .tokenizer import TextTokenizer
 from .vae_flux import FluxVAE
@@ -44,6 +45,7 @@ class FluxPipeline:
         self.vae_scale_factor = vae.config.spatial_compression
         # Replaces `denoise_step` (same arguments, without the model) when set: model/offload.py streams the blocks.
         self.denoise_step_fn = None
+        self.lora_slots = None  # LoRAs whose weights change between calls (as Krea2Pipeline's)
 
     @property
     def is_dev(self) -> bool:
@@ -92,7 +94,7 @@ class FluxPipeline:
         guidance_scale: float = 3.5,
         true_cfg_scale: float = 1.0,
         num_images_per_prompt: int = 1,
-        seed: int = 0,
+        seed: int | Sequence[int] = 0,
         latents: np.ndarray | None = None,
         max_sequence_length: int | None = None,
         callback: Callable[[int, float, jax.Array], None] | None = None,
@@ -100,7 +102,8 @@ class FluxPipeline:
         tiled_decode: bool = False,
     ) -> PipelineOutput:
         """Generate images. Defaults: dev 28 steps and T5 length 512; schnell 4 steps and 256. `guidance_scale` is
-        the distilled guidance dev embeds (ignored by schnell)."""
+        the distilled guidance dev embeds (ignored by schnell). `seed`: one for the batch, or one per image (each image
+        as it would be alone with its seed)."""
         multiple = self.vae_scale_factor * 2
         if height % multiple or width % multiple or height <= 0 or width <= 0:
             raise ValueError(f"height and width must be positive multiples of {multiple}, got {height}x{width}")
@@ -126,8 +129,7 @@ class FluxPipeline:
         grid_h, grid_w = height // multiple, width // multiple
         channels = self.transformer.config.in_channels
         if latents is None:
-            noise = jax.random.normal(jax.random.key(seed), (batch, grid_h * 2, grid_w * 2, channels // 4), jnp.float32)
-            latents = pack_latents(noise)
+            latents = initial_noise(seed, batch, grid_h, grid_w, channels)
         latents = jnp.asarray(latents, jnp.float32)
         if latents.shape != (batch, grid_h * grid_w, channels):
             raise ValueError(f"latents must have shape {(batch, grid_h * grid_w, channels)}, got {latents.shape}")
@@ -171,12 +173,12 @@ class FluxPipeline:
 
 
 # The modules as pytrees (`jax.jit`): far less host time a call than `nnx.jit`'s graph traversal (pipeline_krea2).
-@jax.jit
+@stored_jit
 def _clip_pooled(encoder: CLIPTextEncoder, ids):
     return encoder(ids)[1]
 
 
-@jax.jit
+@stored_jit
 def _t5(encoder: T5Encoder, ids):
     return encoder(ids)
 
@@ -196,10 +198,10 @@ def _denoise_step(model: FluxTransformer, latents, embeds, pooled, img_ids, txt_
     return euler_step(latents, velocity, sigma, sigma_next)
 
 
-denoise_step = jax.jit(_denoise_step, static_argnames=("true_cfg",))
+denoise_step = stored_jit(_denoise_step, static_argnames=("true_cfg",))
 
 
-@functools.partial(jax.jit, static_argnames=("true_cfg",))
+@stored_jit(static_argnames=("true_cfg",))
 def denoise_loop(model: FluxTransformer, latents, embeds, pooled, img_ids, txt_ids, times, guidance, sigmas,
                   true_cfg_scale, true_cfg: bool):
     """All of `denoise_step`'s steps in one program: times (steps,) flow times, sigmas (steps + 1,)."""

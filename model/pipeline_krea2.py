@@ -19,11 +19,12 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from .pipeline_common import PipelineOutput, check_components, image_position_ids, pack_latents, unpack_latents
+from .pipeline_common import PipelineOutput, check_components, image_position_ids, initial_noise, unpack_latents
 from .flow_match import KREA2_TURBO_MU, NUM_TRAIN_TIMESTEPS, ShiftConfig, euler_step, flow_match_schedule
 from .images import to_pil
 from .krea2 import JOINT_TOKENS_MULTIPLE, Krea2Config, Krea2Transformer, trim_padded_text
 from .loading import read_json
+from .programs import stored_jit
 from .qwen3vl_text import Qwen3VLTextConfig, Qwen3VLTextEncoder
 from .tokenizer import TextTokenizer, save_demo_tokenizer
 from .vae_qwenimage import QwenImageVAE, QwenImageVAEConfig
@@ -86,6 +87,8 @@ class Krea2Pipeline:
         # `denoise_step` without its model argument, run on several devices (mxdit.sharding.shard_krea2_pipeline sets
         # it); None: `denoise_step` on the transformer, on its device.
         self.denoise_step_fn: Callable | None = None
+        # LoRAs whose weights change between calls (`lora_files.LoraSlots`, set by `inference.build_pipeline`).
+        self.lora_slots = None
 
     # -- loading -------------------------------------------------------------------------------------------------------
 
@@ -144,7 +147,7 @@ class Krea2Pipeline:
         num_inference_steps: int | None = None,
         guidance_scale: float | None = None,
         num_images_per_prompt: int = 1,
-        seed: int = 0,
+        seed: int | Sequence[int] = 0,
         latents: np.ndarray | None = None,
         max_sequence_length: int = 512,
         callback: Callable[[int, float, jax.Array], None] | None = None,
@@ -159,7 +162,8 @@ class Krea2Pipeline:
                 only with classifier-free guidance (guidance_scale > 0).
             height, width: pixels, multiples of 16.
             num_inference_steps, guidance_scale: default 8 / 0 for Turbo, 28 / 4.5 for Base.
-            seed: the noise is `jax.random.normal(key(seed))`, so the same seed gives the same images.
+            seed: the noise is `jax.random.normal(key(seed))`, so the same seed gives the same images; a seed per
+                image: each image as it would be alone with its seed (`pipeline_common.initial_noise`).
             latents: packed initial noise (batch * num_images_per_prompt, h/16 * w/16, 64) instead of the seeded one.
             callback: called after each step as callback(step_index, timestep, latents).
             output_type: "pil", "np" (float (batch, h, w, 3) in [0, 1]) or "latent" (no decode).
@@ -198,8 +202,7 @@ class Krea2Pipeline:
         grid_h, grid_w = height // multiple, width // multiple
         channels = self.transformer.config.in_channels
         if latents is None:
-            noise = jax.random.normal(jax.random.key(seed), (batch, grid_h * 2, grid_w * 2, channels // 4), jnp.float32)
-            latents = pack_latents(noise, self.config.patch_size)
+            latents = initial_noise(seed, batch, grid_h, grid_w, channels, self.config.patch_size)
         latents = jnp.asarray(latents, jnp.float32)
         if latents.shape != (batch, grid_h * grid_w, channels):
             raise ValueError(f"latents must have shape {(batch, grid_h * grid_w, channels)}, got {latents.shape}")
@@ -238,14 +241,14 @@ class Krea2Pipeline:
         return PipelineOutput(images=images, latents=np.asarray(latents), timings=timings)
 
 
-# The inference programs take the modules as pytrees (`jax.jit`): flattening one costs ~2 ms a call on a slow host
+# The inference programs take the modules as pytrees (`jax.jit`, by way of `stored_jit`): flattening one costs ~2 ms a call on a slow host
 # CPU, where `nnx.jit`'s graph traversal costs ~30 ms for Krea 2's transformer or text encoder.
-@functools.partial(jax.jit, static_argnames=("layers",))
+@stored_jit(static_argnames=("layers",))
 def _encode_text(encoder: Qwen3VLTextEncoder, ids, mask, positions, layers):
     return encoder(ids, mask, positions, layers)
 
 
-@jax.jit
+@stored_jit
 def _fuse_text(model: Krea2Transformer, embeds, mask):
     return model.fuse_text(embeds, mask)
 
@@ -263,10 +266,10 @@ def _denoise_step(model: Krea2Transformer, latents, embeds, mask, ids, t, sigma,
     return guided_euler_step(latents, velocity, sigma, sigma_next, guidance, cfg)
 
 
-denoise_step = jax.jit(_denoise_step, static_argnames=("cfg",))
+denoise_step = stored_jit(_denoise_step, static_argnames=("cfg",))
 
 
-@functools.partial(jax.jit, static_argnames=("cfg",))
+@stored_jit(static_argnames=("cfg",))
 def denoise_loop(model: Krea2Transformer, latents, embeds, mask, ids, times, sigmas, guidance, cfg: bool):
     """All of `denoise_step`'s steps in one program: times (steps,) flow times, sigmas (steps + 1,). The pipeline
     runs this when no callback wants the latents between steps. Compiled once per shape and step count."""

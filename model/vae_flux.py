@@ -20,6 +20,7 @@ from flax import nnx
 from .layers import Conv2d, Linear, upsample_nearest_2x
 from .loading import Checkpoint, CheckpointError, KeyMap, config_from_dict, load_state, open_checkpoint, read_json
 from .vae_common import Tiling, check_images, check_latents, tiled_apply
+from .programs import stored_jit
 
 
 @dataclasses.dataclass(frozen=True)
@@ -306,13 +307,13 @@ class FluxVAE(nnx.Module):
         return config, KeyMap(checkpoint, rename=rename, convert=_attention_conv_to_linear)
 
 
-@jax.jit  # the module as a pytree: less host time a call than nnx.jit's graph traversal
+@stored_jit  # the module as a pytree: less host time a call than nnx.jit's graph traversal
 def _encode_fn(vae: FluxVAE, images: jax.Array) -> jax.Array:
     h = vae.encoder(images)
     return vae.quant_conv(h) if vae.quant_conv is not None else h
 
 
-@jax.jit
+@stored_jit
 def _decode_fn(vae: FluxVAE, latents: jax.Array) -> jax.Array:
     if vae.post_quant_conv is not None:
         latents = vae.post_quant_conv(latents)

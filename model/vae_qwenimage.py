@@ -25,6 +25,7 @@ from flax import nnx
 from .layers import Conv2d, upsample_nearest_2x
 from .loading import Checkpoint, CheckpointError, KeyMap, config_from_dict, load_state, open_checkpoint, read_json
 from .vae_common import Tiling, check_images, check_latents, tiled_apply
+from .programs import stored_jit
 
 # fmt: off
 QWENIMAGE_LATENTS_MEAN = (-0.7571, -0.7089, -0.9113, 0.1075, -0.1745, 0.9653, -0.1517, 1.5508, 0.4134, -0.0715, 0.5517,
@@ -298,12 +299,12 @@ class QwenImageVAE(nnx.Module):
         return config, KeyMap(checkpoint, rename=rename, convert=_to_2d, ignore=lambda key: ".time_conv." in key)
 
 
-@jax.jit  # the module as a pytree: less host time a call than nnx.jit's graph traversal
+@stored_jit  # the module as a pytree: less host time a call than nnx.jit's graph traversal
 def _encode_fn(vae: QwenImageVAE, images: jax.Array) -> jax.Array:
     return vae.quant_conv(vae.encoder(images))
 
 
-@jax.jit
+@stored_jit
 def _decode_fn(vae: QwenImageVAE, latents: jax.Array) -> jax.Array:
     return vae.decoder(vae.post_quant_conv(latents))
 

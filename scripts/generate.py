@@ -4,6 +4,7 @@
     python scripts/generate.py --model /models/FLUX.1-dev --prompt "a red fox in the snow" --output fox.png
     python scripts/generate.py --demo --prompt "a red fox" --output demo.png     # tiny RANDOM-weight model, CPU
     python scripts/generate.py --model /models/Krea-2-Turbo --lora style.safetensors:0.8 --lora detail.safetensors ...
+    python scripts/generate.py --model /models/Krea-2-Turbo --prompts prompts.jsonl --batch-size 4 --output out/img.png
 
 The model family comes from the folder's model_index.json. Krea 2: Turbo or Base from `is_distilled` (Turbo 8 steps
 without guidance, Base 28 steps with CFG 4.5 and the negative prompt). FLUX.1: dev embeds --guidance (default 3.5,
@@ -13,6 +14,13 @@ several images, `--output x.png` writes x_0.png, x_1.png, ... An existing file i
 layout (model/lora_files.py), at run time or, with --fuse-lora, fused into the weights. `--precision fp8` (or
 mxfp8, mxfp6, mxfp4, int8) quantizes the transformer's block matrices as they load; `--quantized FILE` reads a
 checkpoint that scripts/quantize.py wrote instead.
+
+`--prompts FILE` generates many images in one process: a text file holds a prompt a line, a .jsonl file a JSON
+object a line with any of prompt, negative_prompt, seed, height, width, steps, guidance, loras ({"style": 0.8}: the
+--lora files by their stems, the others off for that line) and output (a file name in --output's folder); the flags
+give the defaults. Lines of one size, step count, guidance and LoRA weights run in batches of --batch-size through one
+compiled program; line N's image is <output stem>_<N>.png. A line that cannot run is reported by its number and the
+others go on; the exit status is then 1.
 """
 
 from __future__ import annotations
@@ -22,6 +30,7 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 from mxdit.cli import DTYPES, OneLineErrorParser, add_device_arguments, check_device_arguments, mesh_from_arguments
 from mxdit.model.inference import QUANTIZED_NEEDS_MODEL, InferenceOptions, options_error
@@ -40,7 +49,12 @@ def build_parser() -> OneLineErrorParser:
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--model", type=Path, help="a diffusers-layout Krea 2 or FLUX.1 folder")
     source.add_argument("--demo", action="store_true", help="the built-in tiny model with random weights")
-    parser.add_argument("--prompt", required=True, action="append", help="repeat for a batch of prompts")
+    prompts = parser.add_mutually_exclusive_group(required=True)
+    prompts.add_argument("--prompt", action="append", help="repeat for a batch of prompts")
+    prompts.add_argument("--prompts", type=Path, default=None, metavar="FILE",
+                         help="many images: a prompt a line, or JSONL with a request a line (see the top of this file)")
+    parser.add_argument("--batch-size", type=int, default=1,
+                        help="with --prompts: images per pipeline call (lines of one shape are batched)")
     parser.add_argument("--negative-prompt", default=None, help="used with guidance > 0 (default: empty)")
     parser.add_argument("--steps", type=int, default=None,
                         help="denoising steps (default: Krea 2 Turbo 8, Base 28; FLUX.1-dev 28, schnell 4)")
@@ -109,11 +123,18 @@ def parse_args(argv=None) -> argparse.Namespace:
         parser.error(f"--guidance {args.guidance}: must be >= 0")
     if args.num_images < 1:
         parser.error(f"--num-images {args.num_images}: must be >= 1")
+    if args.batch_size < 1:
+        parser.error(f"--batch-size {args.batch_size}: must be >= 1")
+    if args.prompts is not None:
+        if not args.prompts.is_file():
+            parser.error(f"--prompts {args.prompts}: no such file")
+        if args.num_images != 1:
+            parser.error("--num-images with --prompts: repeat the line (with its own seed) instead")
     if args.output.suffix.lower() != ".png":
         parser.error(f"--output {args.output}: must end in .png")
     if args.model is not None and not args.model.is_dir():
         parser.error(f"--model {args.model}: no such folder")
-    args.outputs = output_paths(args.output, len(args.prompt) * args.num_images)
+    args.outputs = [] if args.prompts else output_paths(args.output, len(args.prompt) * args.num_images)
     existing = [str(p) for p in args.outputs if p.exists()]
     if existing and not args.overwrite:
         parser.error(f"--output: {', '.join(existing)} already exists (pass --overwrite to replace)")
@@ -142,7 +163,49 @@ def parse_args(argv=None) -> argparse.Namespace:
     if error is not None:
         parser.error(error)
     args.dtype = args.dtype or ("fp32" if args.demo else "bf16")
+    args.jobs, args.bad_lines = read_jobs(args) if args.prompts else ([], [])
+    if args.prompts and not args.jobs and not args.bad_lines:
+        parser.error(f"--prompts {args.prompts}: no prompts in the file")
     return args
+
+
+class Job(NamedTuple):
+    """A line of --prompts: its number, request and PNG path."""
+
+    line: int
+    request: object  # mxdit.model.requests.GenerationRequest
+    path: Path
+
+
+def read_jobs(args: argparse.Namespace) -> tuple[list[Job], list[tuple[int, str]]]:
+    """The --prompts lines that can run, and (line, error) for those that cannot: not a request, a LoRA not given
+    with --lora, an output that exists (without --overwrite) or that an earlier line writes."""
+    from mxdit.model.requests import GenerationRequest, read_requests
+
+    loras = tuple((path.stem, weight) for path, weight in args.loras)
+    defaults = GenerationRequest(prompt="", negative_prompt=args.negative_prompt, seed=args.seed, height=args.height,
+                                 width=args.width, steps=args.steps, guidance=args.guidance, loras=loras)
+    try:
+        requests, bad = read_requests(args.prompts, defaults)
+    except (OSError, UnicodeDecodeError) as e:
+        raise SystemExit(f"generate.py: error: --prompts {args.prompts}: {e}")
+    known, jobs, taken = {name for name, _ in loras}, [], {}
+    for line, request in requests:
+        path = (args.output.parent / request.output if request.output
+                else args.output.with_name(f"{args.output.stem}_{line}{args.output.suffix}"))
+        unknown = [name for name, _ in request.loras if name not in known]
+        if unknown:
+            bad.append((line, f"loras: {unknown[0]!r} is not a --lora file's name (given: {', '.join(sorted(known)) or 'none'})"))
+        elif path in taken:
+            bad.append((line, f"output {path} is also line {taken[path]}'s"))
+        elif path.exists() and not args.overwrite:
+            bad.append((line, f"output {path} already exists (pass --overwrite to replace)"))
+        elif not path.parent.is_dir():
+            bad.append((line, f"output {path}: folder {path.parent} does not exist"))
+        else:
+            taken[path] = line
+            jobs.append(Job(line, request, path))
+    return jobs, sorted(bad)
 
 
 def inference_options(args: argparse.Namespace, mesh=None) -> InferenceOptions:
@@ -150,7 +213,8 @@ def inference_options(args: argparse.Namespace, mesh=None) -> InferenceOptions:
     return InferenceOptions(
         precision=Precision(args.precision), attention=AttentionKernel(args.attention) if args.attention else None,
         dtype=DTYPES[args.dtype], offload=args.offload, prefetch=args.prefetch, loras=tuple(args.loras),
-        fuse_loras=args.fuse_lora, quantized=args.quantized, mesh=mesh, sequence_attention=args.sequence_attention)
+        fuse_loras=args.fuse_lora, swap_loras=args.prompts is not None and not args.fuse_lora, quantized=args.quantized,
+        mesh=mesh, sequence_attention=args.sequence_attention)
 
 
 def output_paths(output: Path, count: int) -> list[Path]:
@@ -195,11 +259,16 @@ def main(argv=None) -> int:
 
         compilation_cache.reset_cache()  # a cache already opened in this process (tests) would keep its folder
         jax.config.update("jax_compilation_cache_dir", str(args.compile_cache))
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
-    with CompileLog() as compiles:
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    from mxdit.model.programs import use_program_store
+
+    # The compiled programs themselves (no tracing on a second start), beside the cache of XLA's compiles.
+    with CompileLog() as compiles, use_program_store(args.compile_cache / "executables" if cache_on else None) as store:
         code = generate(args, started)
-    if code == 0:
+    if code in (0, 1):  # 1: some --prompts lines failed, the others ran
         print(compiles.summary(cache_on))
+        if store is not None:
+            print(store.summary())
     return code
 
 
@@ -212,6 +281,10 @@ def generate(args: argparse.Namespace, started: float) -> int:
     from mxdit.model.loading import CheckpointError
     from mxdit.model.pipeline_flux import FluxPipeline
 
+    for line, error in args.bad_lines:  # before the model loads: the user sees them at once
+        print(f"generate.py: --prompts {args.prompts} line {line}: {error}", file=sys.stderr)
+    if args.prompts and not args.jobs:
+        return 1
     t0 = time.perf_counter()
     stages = {"start-up": t0 - started}  # parsing, importing jax and mxdit
     try:
@@ -230,6 +303,8 @@ def generate(args: argparse.Namespace, started: float) -> int:
     loaded = time.perf_counter()  # the stages follow each other without gaps: their sum is the total
     stages["load"] = loaded - t0
 
+    if args.prompts:
+        return generate_jobs(args, pipe, stages, started)
     flux = isinstance(pipe, FluxPipeline)
     steps = args.steps or ((28 if pipe.is_dev else 4) if flux else pipe.config.default_steps)
     options = dict(guidance_scale=3.5 if args.guidance is None else args.guidance, true_cfg_scale=args.true_cfg) if flux \
@@ -270,6 +345,53 @@ def generate(args: argparse.Namespace, started: float) -> int:
     for stage, seconds in {**stages, "total": done - started}.items():
         print(f"{stage:<14}{seconds:9.3f}")
     return 0
+
+
+def generate_jobs(args: argparse.Namespace, pipe, stages: dict[str, float], started: float) -> int:
+    """--prompts: the jobs in batches of one shape (the last batch of a shape padded to --batch-size, so that all run
+    one program), each PNG written as its batch ends; a batch that fails is reported by its lines and the others go
+    on. Returns 0, or 1 when any line failed."""
+    import jax
+    from tqdm import tqdm
+
+    from mxdit.model.requests import generate_batch, group_batches
+
+    failed = [line for line, _ in args.bad_lines]
+    full = set()  # the batch keys that have run a full batch: their last, shorter batch is padded to the same shape
+    totals: dict[str, float] = {}
+    t0 = time.perf_counter()
+    with tqdm(total=len(args.jobs), desc="images", unit="image", dynamic_ncols=True) as bar:
+        for batch in group_batches(args.jobs, args.batch_size, key=lambda job: job.request.batch_key()):
+            key = batch[0].request.batch_key()
+            if len(batch) == args.batch_size:
+                full.add(key)
+            try:
+                images, timings = generate_batch(
+                    pipe, [job.request for job in batch], pad_to=args.batch_size if key in full else None,
+                    lora_slots=pipe.lora_slots, tiled_decode=args.tiled_decode, true_cfg=args.true_cfg,
+                    max_sequence_length=args.max_sequence_length)
+                for image, job in zip(images, batch, strict=True):
+                    save_png(image, job.path)
+            except Exception as e:  # this batch's lines fail; the others still run
+                message = isinstance(e, jax.errors.JaxRuntimeError) and out_of_memory_message(e, "generating", args)
+                message = message or f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:300]}"
+                for job in batch:
+                    bar.write(f"generate.py: --prompts {args.prompts} line {job.line}: {message}", file=sys.stderr)
+                failed.extend(job.line for job in batch)
+            else:
+                for stage, seconds in timings.items():
+                    totals[stage] = totals.get(stage, 0.0) + seconds
+            bar.update(len(batch))
+    done = time.perf_counter()
+    written = len(args.jobs) - (len(failed) - len(args.bad_lines))
+    print(f"wrote {written} images to {args.output.parent} in {done - t0:.1f} s ({written / (done - t0):.2f} images/s)")
+    if failed:
+        print(f"generate.py: {len(failed)} lines failed: {', '.join(map(str, sorted(failed)))}", file=sys.stderr)
+    print(f"\n{'stage':<14}{'seconds':>9}")
+    for stage, seconds in {**stages, **{k: v for k, v in totals.items() if k != "total"},
+                           "total": done - started}.items():
+        print(f"{stage:<14}{seconds:9.3f}")
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

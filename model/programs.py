@@ -1,0 +1,209 @@
+"""Compiled programs kept on disk, so that a second start of a process skips tracing, lowering and compiling.
+
+JAX's persistent compilation cache saves XLA's compile only: a new process still traces each function and lowers it
+to StableHLO before the cache is consulted, seconds for a full-size transformer. `stored_jit` is `jax.jit` for the
+pipelines' programs; inside `use_program_store(folder)` its first call of a shape either loads the executable that
+an earlier process serialized into `folder` (`jax.experimental.serialize_executable`), or lowers and compiles it and
+writes it there. Outside a store it is plain `jax.jit`.
+
+A stored program is keyed by everything that decides what it computes and where it runs: the function's name, its
+static arguments, the inputs' tree structure (which holds a module's config, dtype, attention kernel and
+precision: their static fields) with each leaf's shape, dtype and sharding, the jax and jaxlib versions, the backend
+and its version, the devices' kinds and count, `XLA_FLAGS`, and a hash of this package's source. A changed program
+gets a new key, never an old executable; a file that cannot be read or loaded is compiled again and replaced.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import hashlib
+import inspect
+import os
+import pickle
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+
+import jax
+
+from .loading import write_atomically
+
+FORMAT = 1  # the layout of a stored file: (FORMAT, out_tree, serialized executable)
+SUFFIX = ".xla"
+_SOURCE_FOLDERS = ("model", "ops", "quant", "pallas_kernels", "sharding")
+
+
+@dataclasses.dataclass
+class StoreStats:
+    """What a store did in this process: programs loaded from disk or compiled (and written), with their seconds."""
+
+    loaded: int = 0
+    load_s: float = 0.0
+    compiled: int = 0
+    compile_s: float = 0.0
+    failed_loads: list[str] = dataclasses.field(default_factory=list)
+
+
+class ProgramStore:
+    """Serialized executables in `folder`, one file per program and input shape, with an in-process table in front."""
+
+    def __init__(self, folder: str | Path):
+        self.folder = Path(folder)
+        self.stats = StoreStats()
+        self._programs: dict = {}
+        self._lock = threading.Lock()  # guards the tables and the stats
+        self._program_locks: dict = {}  # one per program: two threads never compile the same one, others go on
+        self._environment: str | None = None
+
+    def summary(self) -> str:
+        """One line, e.g. "executables: 4 loaded (0.3 s), 1 compiled and stored (2.1 s)"."""
+        s = self.stats
+        line = f"executables: {s.loaded} loaded ({s.load_s:.1f} s), {s.compiled} compiled and stored ({s.compile_s:.1f} s)"
+        return line + (f"; {len(s.failed_loads)} not loadable, compiled again: {s.failed_loads[0]}" if s.failed_loads else "")
+
+    def environment(self) -> str:
+        """The part of every key that depends on the process, not on the call: versions, devices, flags, source."""
+        if self._environment is None:
+            backend = jax.extend.backend.get_backend()
+            devices = jax.devices()
+            parts = [f"format {FORMAT}", f"jax {jax.__version__}", f"jaxlib {jax.lib.__version__}",
+                     f"platform {backend.platform} {backend.platform_version}",
+                     f"devices {len(devices)} x {sorted({d.device_kind for d in devices})}",
+                     f"processes {jax.process_count()}", f"XLA_FLAGS {os.environ.get('XLA_FLAGS', '')}",
+                     f"x64 {jax.config.jax_enable_x64}", f"source {source_hash()}"]
+            self._environment = "\n".join(parts)
+        return self._environment
+
+    def call(self, name: str, jitted, dynamic: Sequence, static: dict):
+        """`jitted(*dynamic, **static)` by the stored executable of this shape (loaded, or compiled and stored)."""
+        leaves, treedef = jax.tree.flatten(tuple(dynamic))
+        signature = tuple(_leaf_signature(leaf) for leaf in leaves)
+        memo = (name, treedef, signature, tuple(sorted(static.items())))
+        program = self._programs.get(memo)
+        if program is None:
+            with self._lock:
+                program_lock = self._program_locks.setdefault(memo, threading.Lock())
+            with program_lock:
+                program = self._programs.get(memo)
+                if program is None:
+                    program = self._load_or_compile(name, jitted, dynamic, static, treedef, signature)
+                    self._programs[memo] = program
+        return program(*dynamic)
+
+    def _load_or_compile(self, name, jitted, dynamic, static, treedef, signature):
+        key = hashlib.sha256("\n".join([
+            self.environment(), f"program {name}", f"static {sorted(static.items())!r}", f"tree {treedef}",
+            *(f"{shape} {dtype} {weak} {sharding}" for shape, dtype, weak, sharding in signature)]).encode()).hexdigest()
+        path = self.folder / f"{name.rsplit('.', 1)[-1]}-{key[:32]}{SUFFIX}"
+        if path.is_file():
+            t0 = time.perf_counter()
+            try:
+                fmt, out_tree, payload = pickle.loads(path.read_bytes())
+                if fmt != FORMAT:
+                    raise ValueError(f"format {fmt}, expected {FORMAT}")
+                from jax.experimental.serialize_executable import deserialize_and_load
+
+                in_tree = jax.tree.structure((tuple(dynamic), {}))
+                program = deserialize_and_load(payload, in_tree, out_tree)
+                with self._lock:
+                    self.stats.loaded += 1
+                    self.stats.load_s += time.perf_counter() - t0
+                return program
+            except Exception as e:  # a stale or damaged file: compiled again below and replaced
+                with self._lock:
+                    self.stats.failed_loads.append(f"{path.name}: {type(e).__name__}: {str(e)[:200]}")
+        t0 = time.perf_counter()
+        compiled = jitted.lower(*dynamic, **static).compile()
+        with self._lock:
+            self.stats.compiled += 1
+            self.stats.compile_s += time.perf_counter() - t0
+        from jax.experimental.serialize_executable import serialize
+
+        try:
+            payload, _, out_tree = serialize(compiled)
+        except Exception as e:  # an executable the backend cannot serialize still runs in this process
+            with self._lock:
+                self.stats.failed_loads.append(f"{path.name}: not serializable: {type(e).__name__}: {str(e)[:200]}")
+            return compiled
+        self.folder.mkdir(parents=True, exist_ok=True)
+        write_atomically(path, lambda tmp: tmp.write_bytes(pickle.dumps((FORMAT, out_tree, payload))))
+        return compiled
+
+
+def _leaf_signature(leaf) -> tuple:
+    sharding = getattr(leaf, "sharding", None)
+    if not hasattr(leaf, "shape"):  # a Python scalar: traced as a weakly typed scalar
+        return ((), type(leaf).__name__, True, None)
+    return (tuple(leaf.shape), str(leaf.dtype), bool(getattr(leaf, "weak_type", False)), sharding)
+
+
+@functools.cache
+def source_hash() -> str:
+    """A hash of the Python source of the packages that build programs: any change to them gives new keys."""
+    root = Path(__file__).resolve().parent.parent
+    digest = hashlib.sha256()
+    for folder in _SOURCE_FOLDERS:
+        for path in sorted((root / folder).rglob("*.py")):
+            digest.update(str(path.relative_to(root)).encode())
+            digest.update(path.read_bytes())
+    return digest.hexdigest()
+
+
+_active = threading.local()  # per thread: a server's worker thread and a test's store do not see each other's
+
+
+def active_store() -> ProgramStore | None:
+    return getattr(_active, "store", None)
+
+
+@contextlib.contextmanager
+def use_program_store(store: ProgramStore | str | Path | None) -> Iterator[ProgramStore | None]:
+    """Within the block, in this thread, `stored_jit` functions run through `store` (a folder: a new store on it;
+    None: plain `jax.jit`)."""
+    if store is not None and not isinstance(store, ProgramStore):
+        store = ProgramStore(store)
+    previous = active_store()
+    _active.store = store
+    try:
+        yield store
+    finally:
+        _active.store = previous
+
+
+class StoredJit:
+    """`jax.jit(fn, static_argnames=...)` whose calls go through the active `ProgramStore`, if any."""
+
+    def __init__(self, fn: Callable, static_argnames: Sequence[str] = ()):
+        self.jitted = jax.jit(fn, static_argnames=tuple(static_argnames))
+        self.static_argnames = tuple(static_argnames)
+        self.signature = inspect.signature(fn)
+        self.name = f"{fn.__module__}.{fn.__qualname__}"
+        functools.update_wrapper(self, fn)
+
+    def __call__(self, *args, **kwargs):
+        store = active_store()
+        if store is None:
+            return self.jitted(*args, **kwargs)
+        bound = self.signature.bind(*args, **kwargs)
+        bound.apply_defaults()  # the dynamic arguments go positionally, each in its place
+        static = {name: bound.arguments.pop(name) for name in self.static_argnames if name in bound.arguments}
+        dynamic = []
+        for name, value in bound.arguments.items():
+            if self.signature.parameters[name].kind is inspect.Parameter.VAR_POSITIONAL:
+                dynamic.extend(value)
+            else:
+                dynamic.append(value)
+        return store.call(self.name, self.jitted, dynamic, static)
+
+    def lower(self, *args, **kwargs):
+        return self.jitted.lower(*args, **kwargs)
+
+
+def stored_jit(fn: Callable | None = None, *, static_argnames: Sequence[str] = ()):
+    """Decorator: `jax.jit` that a `ProgramStore` can serve (`@stored_jit` or `@stored_jit(static_argnames=...)`)."""
+    if fn is None:
+        return functools.partial(stored_jit, static_argnames=static_argnames)
+    return StoredJit(fn, static_argnames)
