@@ -59,7 +59,8 @@ class InferenceOptions:
         host memory, where they are loaded straight to; None: all on the device. prefetch: with `offload`, copy the
         streamed blocks this many blocks ahead (prefetch + 1 blocks' device memory).
     loras: (LoRA file, weight) pairs, files in any layout `lora_files.read_lora` reads; applied at run time, or fused
-        into the weights with `fuse_loras`.
+        into the weights with `fuse_loras`. swap_loras: at run time as `lora_files.LoraSlots` (`pipe.lora_slots`,
+        named by the files' stems), whose weights can change between calls without recompiling.
     quantized: a quantized checkpoint of the transformer (scripts/quantize.py) read in place of the model folder's
         transformer weights; its formats are the precision.
     stack: the projections that share an input (Q/K/V/gate, gate/up) as one product each; never with a `mesh`, whose
@@ -75,6 +76,7 @@ class InferenceOptions:
     prefetch: int = 2
     loras: tuple[tuple[Path, float], ...] = ()
     fuse_loras: bool = False
+    swap_loras: bool = False
     quantized: Path | None = None
     stack: bool = True
     mesh: Mesh | None = None
@@ -92,6 +94,8 @@ class InferenceOptions:
                               fuse_loras=self.fuse_loras)
         if error is not None:
             raise ValueError(error)
+        if self.swap_loras and self.fuse_loras:
+            raise ValueError("swap_loras with fuse_loras: fused LoRAs cannot change their weights")
 
 
 def build_pipeline(model: str | Path | None, options: InferenceOptions = InferenceOptions()
@@ -127,7 +131,17 @@ def prepare_pipeline(pipe: Krea2Pipeline | FluxPipeline, options: InferenceOptio
         from mxdit.ops.attention import attention_implementation
 
         pipe.transformer.attention = attention_implementation(options.attention, dtype)
-    if options.loras:
+    slots = None
+    if options.loras and options.swap_loras:
+        from .lora_files import lora_slots
+
+        names = [path.stem for path, _ in options.loras]
+        if len(set(names)) != len(names):
+            raise ValueError(f"--lora: two files named {next(n for n in names if names.count(n) > 1)!r}; LoRAs are "
+                             "told apart by their file names")
+        slots = lora_slots(pipe.transformer, {path.stem: path for path, _ in options.loras})
+        slots.set_weights({path.stem: weight for path, weight in options.loras})
+    elif options.loras:
         from .lora_files import apply_loras
 
         apply_loras(pipe.transformer, options.loras, fuse=options.fuse_loras)
@@ -144,6 +158,7 @@ def prepare_pipeline(pipe: Krea2Pipeline | FluxPipeline, options: InferenceOptio
         from mxdit.sharding.krea2 import shard_krea2_pipeline
 
         pipe = shard_krea2_pipeline(pipe, options.mesh, method=options.sequence_attention)
+    pipe.lora_slots = slots
     return pipe
 
 

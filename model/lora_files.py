@@ -349,6 +349,47 @@ def apply_loras(model: nnx.Module, loras: Sequence[tuple[str | Path | LoraFile, 
     return list(by_module)
 
 
+class LoraSlots:
+    """LoRA files held at run time with a weight each that can change between calls without recompiling: every
+    adapted Linear gets one adapter stacking all files' updates along the rank (as `apply_loras`), whose shapes never
+    change; `set_weights` only rescales the columns of B (a weight of 0 turns a file off). Made by `lora_slots`."""
+
+    def __init__(self, layers: dict, parts: dict[str, list[tuple[str, jax.Array]]], names: Sequence[str]):
+        self._layers, self._parts, self.names = layers, parts, tuple(names)
+        self.weights = dict.fromkeys(self.names, 0.0)
+
+    def set_weights(self, weights: Mapping[str, float]) -> None:
+        """The weight of each file by name; names not given get 0. Raises ValueError naming an unknown LoRA."""
+        unknown = [name for name in weights if name not in self.weights]
+        if unknown:
+            raise ValueError(f"unknown LoRA {unknown[0]!r} (loaded: {', '.join(self.names) or 'none'})")
+        new = {name: float(weights.get(name, 0.0)) for name in self.names}
+        if new == self.weights:
+            return
+        for module, parts in self._parts.items():
+            B = jnp.concatenate([new[name] * b for name, b in parts], axis=1)
+            self._layers[module].lora.B.set_value(B)
+        self.weights = new
+
+
+def lora_slots(model: nnx.Module, files: Mapping[str, str | Path | LoraFile]) -> LoraSlots:
+    """Attach LoRA files by name (`{"style": "style.safetensors"}`), all at weight 0, as `LoraSlots`. The model must
+    have no adapters yet; `remove_lora(model)` takes them off."""
+    read = {name: (f if isinstance(f, LoraFile) else read_lora(f, model)) for name, f in files.items()}
+    layers = dict(linear_layers(model))
+    adapted = [name for name, layer in layers.items() if layer.lora is not None]
+    if adapted:
+        raise ValueError(f"{type(model).__name__} already has LoRA adapters ({adapted[0]}, ...)")
+    parts: dict[str, list[tuple[str, jax.Array]]] = {}
+    for module in sorted({m for f in read.values() for m in f.updates}):
+        updates = [(name, f.updates[module]) for name, f in read.items() if module in f.updates]
+        A = np.concatenate([u.A for _, u in updates], axis=0)
+        parts[module] = [(name, jnp.asarray(u.scale * u.B, jnp.float32)) for name, u in updates]
+        out_features = updates[0][1].B.shape[0]
+        layers[module].lora = nnx.data(LoRA.from_matrices(A, np.zeros((out_features, A.shape[0]), np.float32), 1.0))
+    return LoraSlots(layers, parts, list(read))
+
+
 def _fuse(layer, delta: np.ndarray) -> None:
     weight = layer.weight.get_value()
     if hasattr(weight, "dequantize"):
