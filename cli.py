@@ -1,10 +1,15 @@
-"""What the command-line scripts (scripts/) share: one-line errors, the dtype names, the device flags, the count of
-compilations."""
+"""What the command-line scripts (scripts/) share: one-line errors, the model and device flags and the inference
+options they make, the compilation caches, the count of compilations."""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import threading
+from pathlib import Path
+
+from mxdit.ops.names import AttentionKernel, Precision
 
 DTYPES = {"bf16": "bfloat16", "fp32": "float32"}
 
@@ -14,6 +19,114 @@ class OneLineErrorParser(argparse.ArgumentParser):
 
     def error(self, message):
         self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def default_compile_cache() -> Path:
+    """Where compiled programs are kept between runs: the XDG cache folder's `mxdit/jax`."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "mxdit" / "jax"
+
+
+def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags that say which model to load and how (`inference_options` turns them into `InferenceOptions`)."""
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--model", type=Path, help="a diffusers-layout Krea 2 or FLUX.1 folder")
+    source.add_argument("--demo", action="store_true", help="the built-in tiny model with random weights")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="default bf16 (demo: fp32)")
+    parser.add_argument("--precision", choices=[p.value for p in Precision], default=Precision.BF16.value,
+                        help="the transformer blocks' matrices in this format, multiplied by the low-precision GEMM "
+                             "kernels with activations quantized per token (default bf16: the --dtype weights as "
+                             "they are)")
+    parser.add_argument("--quantized", type=Path, default=None, metavar="FILE",
+                        help="the transformer's weights from this quantized checkpoint (scripts/quantize.py) instead "
+                             "of --model's transformer/ folder; its matrices run through the low-precision GEMM kernels")
+    parser.add_argument("--attention", choices=[a.value for a in AttentionKernel], default=None,
+                        help="the attention kernel (default cuDNN on a GPU, XLA elsewhere; int8: INT8-QK, Triton "
+                             "lowering; int8_mosaic: INT8-QK, Hopper; _fp8: with P.V in FP8, faster, less exact)")
+    parser.add_argument("--offload", type=int, default=None, metavar="RESIDENT",
+                        help="a GPU smaller than the model: keep the first RESIDENT transformer blocks on the "
+                             "device and stream the others from host memory, loaded straight there (in --precision's or "
+                             "--quantized's format)")
+    parser.add_argument("--prefetch", type=int, default=2, metavar="N",
+                        help="with --offload: copy streamed blocks N blocks ahead (N + 1 blocks' device memory); more "
+                             "hides more of the copies when there is room")
+    parser.add_argument("--compile-cache", type=Path, default=default_compile_cache(),
+                        help="compiled programs kept between runs, so that a second start skips tracing and "
+                             "compiling ('' : off; default: $XDG_CACHE_HOME/mxdit/jax, or ~/.cache/mxdit/jax)")
+    add_device_arguments(parser, "Krea 2 on several devices, e.g. data=2,seq=4,cfg=2 (axes data, cfg, seq, fsdp; "
+                                 "default: one device)")
+    parser.add_argument("--sequence-attention", choices=["ulysses", "ring"], default=None,
+                        help="with seq > 1 (default: Ulysses when the heads divide by seq, else ring)")
+    parser.add_argument("--lora", action="append", default=[], metavar="FILE[:WEIGHT]",
+                        help="a LoRA safetensors file (diffusers/PEFT, kohya or ComfyUI layout) and its weight "
+                             "(default 1.0); repeat for several")
+    parser.add_argument("--fuse-lora", action="store_true",
+                        help="fuse the LoRAs into the weights (no cost per step) instead of applying them at run time")
+
+
+def check_model_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """`add_model_arguments`' flags checked before anything loads (one line naming the flag); sets `args.loras` to
+    (path, weight) pairs and the default dtype."""
+    from mxdit.model.inference import QUANTIZED_NEEDS_MODEL, options_error
+
+    if args.model is not None and not args.model.is_dir():
+        parser.error(f"--model {args.model}: no such folder")
+    args.loras = []
+    if args.lora:
+        from mxdit.model.lora_files import parse_lora_arg
+
+        for spec in args.lora:
+            try:
+                path, weight = parse_lora_arg(spec)
+            except ValueError as e:
+                parser.error(f"--lora {spec}: {e}")
+            if not path.is_file():
+                parser.error(f"--lora {path}: no such file")
+            args.loras.append((path, weight))
+    check_device_arguments(parser, args)
+    if args.quantized is not None:
+        if args.model is None:
+            parser.error(QUANTIZED_NEEDS_MODEL)
+        if not args.quantized.is_file():
+            parser.error(f"--quantized {args.quantized}: no such file")
+    error = options_error(precision=args.precision, quantized=args.quantized is not None, sharded=args.mesh is not None,
+                          offload=args.offload, prefetch=args.prefetch, fuse_loras=args.fuse_lora)
+    if error is not None:
+        parser.error(error)
+    args.dtype = args.dtype or ("fp32" if args.demo else "bf16")
+
+
+def inference_options(args: argparse.Namespace, mesh=None, swap_loras: bool = False):
+    """The parsed model flags as `build_pipeline`'s `InferenceOptions`; `mesh`: the --mesh's `jax.sharding.Mesh`;
+    `swap_loras`: the --lora files' weights can change per call (not with --fuse-lora)."""
+    from mxdit.model.inference import InferenceOptions
+
+    return InferenceOptions(
+        precision=Precision(args.precision), attention=AttentionKernel(args.attention) if args.attention else None,
+        dtype=DTYPES[args.dtype], offload=args.offload, prefetch=args.prefetch, loras=tuple(args.loras),
+        fuse_loras=args.fuse_lora, swap_loras=swap_loras and not args.fuse_lora, quantized=args.quantized, mesh=mesh,
+        sequence_attention=args.sequence_attention)
+
+
+@contextlib.contextmanager
+def compile_caches(folder: Path | None):
+    """Within the block, in this thread: JAX's persistent compilation cache in `folder` (every compile, however
+    short) and the serialized executables of `model.programs` in `folder/executables`. Yields the `ProgramStore`,
+    or None when `folder` is None or empty (both off)."""
+    import jax
+
+    from mxdit.model.programs import use_program_store
+
+    if folder is None or str(folder) in ("", "."):
+        yield None
+        return
+    from jax.experimental.compilation_cache import compilation_cache
+
+    compilation_cache.reset_cache()  # a cache already opened in this process (tests) would keep its folder
+    jax.config.update("jax_compilation_cache_dir", str(folder))
+    # Every compile: a second start then compiles nothing, however small (eager operations cost ~0.1 s each).
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    with use_program_store(Path(folder) / "executables") as store:
+        yield store
 
 
 def add_device_arguments(parser, mesh_help: str) -> None:

@@ -26,29 +26,20 @@ others go on; the exit status is then 1.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 from pathlib import Path
 from typing import NamedTuple
 
-from mxdit.cli import DTYPES, OneLineErrorParser, add_device_arguments, check_device_arguments, mesh_from_arguments
-from mxdit.model.inference import QUANTIZED_NEEDS_MODEL, InferenceOptions, options_error
-from mxdit.ops.names import AttentionKernel, Precision
+from mxdit.cli import (OneLineErrorParser, add_model_arguments, check_model_arguments, compile_caches, inference_options,
+                       mesh_from_arguments)
 
-MIN_SIDE, MAX_SIDE, MULTIPLE = 64, 4096, 16
-
-
-def default_compile_cache() -> Path:
-    """Where compiled programs are kept between runs: the XDG cache folder's `mxdit/jax`."""
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "mxdit" / "jax"
+from mxdit.model.requests import MAX_SIDE, MIN_SIDE, MULTIPLE
 
 
 def build_parser() -> OneLineErrorParser:
     parser = OneLineErrorParser(prog="generate.py", description="Generate images from text with Krea 2 or FLUX.1.")
-    source = parser.add_mutually_exclusive_group(required=True)
-    source.add_argument("--model", type=Path, help="a diffusers-layout Krea 2 or FLUX.1 folder")
-    source.add_argument("--demo", action="store_true", help="the built-in tiny model with random weights")
+    add_model_arguments(parser)
     prompts = parser.add_mutually_exclusive_group(required=True)
     prompts.add_argument("--prompt", action="append", help="repeat for a batch of prompts")
     prompts.add_argument("--prompts", type=Path, default=None, metavar="FILE",
@@ -67,48 +58,19 @@ def build_parser() -> OneLineErrorParser:
     parser.add_argument("--num-images", type=int, default=1, help="images per prompt")
     parser.add_argument("--output", type=Path, default=Path("output.png"), help="PNG path")
     parser.add_argument("--overwrite", action="store_true", help="replace existing output files")
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="default bf16 (demo: fp32)")
-    parser.add_argument("--precision", choices=[p.value for p in Precision], default=Precision.BF16.value,
-                        help="the transformer blocks' matrices in this format, multiplied by the low-precision GEMM "
-                             "kernels with activations quantized per token (default bf16: the --dtype weights as "
-                             "they are)")
-    parser.add_argument("--quantized", type=Path, default=None, metavar="FILE",
-                        help="the transformer's weights from this quantized checkpoint (scripts/quantize.py) instead "
-                             "of --model's transformer/ folder; its matrices run through the low-precision GEMM kernels")
-    parser.add_argument("--attention", choices=[a.value for a in AttentionKernel], default=None,
-                        help="the attention kernel (default cuDNN on a GPU, XLA elsewhere; int8: INT8-QK, Triton "
-                             "lowering; int8_mosaic: INT8-QK, Hopper; _fp8: with P.V in FP8, faster, less exact)")
-    parser.add_argument("--offload", type=int, default=None, metavar="RESIDENT",
-                        help="a GPU smaller than the model: keep the first RESIDENT transformer blocks on the "
-                             "device and stream the others from host memory, loaded straight there (in --precision's or "
-                             "--quantized's format)")
-    parser.add_argument("--prefetch", type=int, default=2, metavar="N",
-                        help="with --offload: copy streamed blocks N blocks ahead (N + 1 blocks' device memory); more "
-                             "hides more of the copies when there is room")
-    parser.add_argument("--compile-cache", type=Path, default=default_compile_cache(),
-                        help="JAX's persistent compilation cache, so that a second run starts fast ('' : off; "
-                             "default: $XDG_CACHE_HOME/mxdit/jax, or ~/.cache/mxdit/jax)")
     parser.add_argument("--tiled-decode", action="store_true", help="decode the VAE in tiles (large images)")
     parser.add_argument("--progress", action="store_true",
                         help="a progress bar per denoising step (waits for each step; without it all steps run as "
                              "one program)")
     parser.add_argument("--max-sequence-length", type=int, default=None,
                         help="text tokens (default: Krea 2 512, FLUX.1-dev 512, schnell 256)")
-    add_device_arguments(parser, "Krea 2 on several devices, e.g. data=2,seq=4,cfg=2 (axes data, cfg, seq, fsdp; "
-                                 "default: one device)")
-    parser.add_argument("--sequence-attention", choices=["ulysses", "ring"], default=None,
-                        help="with seq > 1 (default: Ulysses when the heads divide by seq, else ring)")
-    parser.add_argument("--lora", action="append", default=[], metavar="FILE[:WEIGHT]",
-                        help="a LoRA safetensors file (diffusers/PEFT, kohya or ComfyUI layout) and its weight "
-                             "(default 1.0); repeat for several")
-    parser.add_argument("--fuse-lora", action="store_true",
-                        help="fuse the LoRAs into the weights (no cost per step) instead of applying them at run time")
     return parser
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = build_parser()
     args = parser.parse_args(argv)
+    check_model_arguments(parser, args)
 
     default_side = 256 if args.demo else 1024
     args.height = args.height or default_side
@@ -132,37 +94,12 @@ def parse_args(argv=None) -> argparse.Namespace:
             parser.error("--num-images with --prompts: repeat the line (with its own seed) instead")
     if args.output.suffix.lower() != ".png":
         parser.error(f"--output {args.output}: must end in .png")
-    if args.model is not None and not args.model.is_dir():
-        parser.error(f"--model {args.model}: no such folder")
     args.outputs = [] if args.prompts else output_paths(args.output, len(args.prompt) * args.num_images)
     existing = [str(p) for p in args.outputs if p.exists()]
     if existing and not args.overwrite:
         parser.error(f"--output: {', '.join(existing)} already exists (pass --overwrite to replace)")
     if not args.output.parent.exists():
         parser.error(f"--output {args.output}: folder {args.output.parent} does not exist")
-    args.loras = []
-    if args.lora:
-        from mxdit.model.lora_files import parse_lora_arg
-
-        for spec in args.lora:
-            try:
-                path, weight = parse_lora_arg(spec)
-            except ValueError as e:
-                parser.error(f"--lora {spec}: {e}")
-            if not path.is_file():
-                parser.error(f"--lora {path}: no such file")
-            args.loras.append((path, weight))
-    check_device_arguments(parser, args)
-    if args.quantized is not None:
-        if args.model is None:
-            parser.error(QUANTIZED_NEEDS_MODEL)
-        if not args.quantized.is_file():
-            parser.error(f"--quantized {args.quantized}: no such file")
-    error = options_error(precision=args.precision, quantized=args.quantized is not None, sharded=args.mesh is not None,
-                          offload=args.offload, prefetch=args.prefetch, fuse_loras=args.fuse_lora)
-    if error is not None:
-        parser.error(error)
-    args.dtype = args.dtype or ("fp32" if args.demo else "bf16")
     args.jobs, args.bad_lines = read_jobs(args) if args.prompts else ([], [])
     if args.prompts and not args.jobs and not args.bad_lines:
         parser.error(f"--prompts {args.prompts}: no prompts in the file")
@@ -208,15 +145,6 @@ def read_jobs(args: argparse.Namespace) -> tuple[list[Job], list[tuple[int, str]
     return jobs, sorted(bad)
 
 
-def inference_options(args: argparse.Namespace, mesh=None) -> InferenceOptions:
-    """The parsed arguments as `build_pipeline`'s options; `mesh`: the --mesh's `jax.sharding.Mesh`."""
-    return InferenceOptions(
-        precision=Precision(args.precision), attention=AttentionKernel(args.attention) if args.attention else None,
-        dtype=DTYPES[args.dtype], offload=args.offload, prefetch=args.prefetch, loras=tuple(args.loras),
-        fuse_loras=args.fuse_lora, swap_loras=args.prompts is not None and not args.fuse_lora, quantized=args.quantized,
-        mesh=mesh, sequence_attention=args.sequence_attention)
-
-
 def output_paths(output: Path, count: int) -> list[Path]:
     return [output] if count == 1 else [output.with_name(f"{output.stem}_{i}{output.suffix}") for i in range(count)]
 
@@ -249,26 +177,14 @@ def out_of_memory_message(error: Exception, stage: str, args) -> str | None:
 def main(argv=None) -> int:
     started = time.perf_counter()  # the stage table's total runs from here to the last PNG written
     args = parse_args(argv)
-    import jax
-
     from mxdit.cli import CompileLog
 
-    cache_on = str(args.compile_cache) not in ("", ".")
-    if cache_on:
-        from jax.experimental.compilation_cache import compilation_cache
-
-        compilation_cache.reset_cache()  # a cache already opened in this process (tests) would keep its folder
-        jax.config.update("jax_compilation_cache_dir", str(args.compile_cache))
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
-    from mxdit.model.programs import use_program_store
-
-    # The compiled programs themselves (no tracing on a second start), beside the cache of XLA's compiles.
-    with CompileLog() as compiles, use_program_store(args.compile_cache / "executables" if cache_on else None) as store:
+    with CompileLog() as compiles, compile_caches(args.compile_cache) as store:
         code = generate(args, started)
     if code in (0, 1):  # 1: some --prompts lines failed, the others ran
-        print(compiles.summary(cache_on))
         if store is not None:
             print(store.summary())
+        print(compiles.summary(store is not None))
     return code
 
 
@@ -288,7 +204,7 @@ def generate(args: argparse.Namespace, started: float) -> int:
     t0 = time.perf_counter()
     stages = {"start-up": t0 - started}  # parsing, importing jax and mxdit
     try:
-        options = inference_options(args, mesh_from_arguments(args))
+        options = inference_options(args, mesh_from_arguments(args), swap_loras=args.prompts is not None)
         if args.demo:
             print("mxdit demo: tiny Krea 2-shaped model with RANDOM weights -- the image is noise, not a picture.")
         pipe = build_pipeline(None if args.demo else args.model, options)

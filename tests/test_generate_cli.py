@@ -30,7 +30,7 @@ def stage_table(out: str) -> dict[str, float]:
     """generate.py's stage table: stage -> seconds."""
     lines = out[out.index("stage "):].splitlines()[1:]
     return {line[:14].strip(): float(line[14:]) for line in lines if line[:1].strip() and line[14:].strip()
-            and not line.startswith("compilation")}
+            and not line.startswith(("compilation", "executables"))}
 
 
 def test_demo_writes_a_png_of_the_asked_size(tmp_path, capsys, monkeypatch):
