@@ -371,7 +371,7 @@ def load_script(name: str):
 
 
 def test_every_option_of_the_scripts_has_help():
-    for name in ("generate", "quantize", "train_lora"):
+    for name in ("generate", "quantize", "train_lora", "serve"):
         parser = load_script(name).build_parser()
         bare = [a.option_strings[0] for a in parser._actions if a.option_strings and not a.help]
         assert not bare, f"{name}.py: options without help: {bare}"
