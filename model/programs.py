@@ -19,6 +19,7 @@ import contextlib
 import dataclasses
 import functools
 import hashlib
+import importlib
 import inspect
 import os
 import pickle
@@ -106,6 +107,7 @@ class ProgramStore:
                     raise ValueError(f"format {fmt}, expected {FORMAT}")
                 from jax.experimental.serialize_executable import deserialize_and_load
 
+                _prepare_backend()
                 in_tree = jax.tree.structure((tuple(dynamic), {}))
                 program = deserialize_and_load(payload, in_tree, out_tree)
                 with self._lock:
@@ -131,6 +133,18 @@ class ProgramStore:
         self.folder.mkdir(parents=True, exist_ok=True)
         write_atomically(path, lambda tmp: tmp.write_bytes(pickle.dumps((FORMAT, out_tree, payload))))
         return compiled
+
+
+@functools.cache
+def _prepare_backend() -> None:
+    """What a loaded executable needs that compiling it would have set up: Mosaic GPU kernels link against its
+    runtime library, which `jax.experimental.mosaic.gpu` names (MOSAIC_GPU_RUNTIME_LIB_PATH) when imported; a process
+    that loads them without that import fails to link their host code."""
+    if jax.default_backend() == "gpu":
+        try:
+            importlib.import_module("jax.experimental.mosaic.gpu")
+        except ImportError:  # a GPU build without Mosaic GPU: nothing to link
+            pass
 
 
 def _leaf_signature(leaf) -> tuple:
