@@ -1,0 +1,170 @@
+"""Time to the first image: a new process from its start to the PNG on disk, with a Krea 2 Turbo folder of random
+full-size weights on local disk (written by diffusers' `save_pretrained`, so that both sides read the same files).
+Ours starts twice, the second time from the first one's compile caches (generate.py --compile-cache: XLA's cache
+and the serialized executables); diffusers' eager pipeline starts once. Beside them: the disk's read speed (dd) and
+our read of the transformer's weights into device memory, each after the page cache is dropped where the machine
+lets us."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from .rows import CLI, emit, error_text, flags, subprocess_rows, write_json
+
+GENERATE = CLI.parent / "generate.py"
+
+
+def drop_page_cache() -> bool:
+    """Flush and drop the kernel's page cache (root on Linux), so that the next read comes from the disk."""
+    os.sync()
+    try:
+        Path("/proc/sys/vm/drop_caches").write_text("3\n")
+        return True
+    except OSError:
+        return False
+
+
+def first_image(args) -> None:
+    folder = Path(args.model_folder)
+    rows = []
+    if not (folder / "model_index.json").is_file():
+        rows += subprocess_rows(args, "first-image-write", ["--model-folder", str(folder)] + flags(args, "num_layers"))
+    if not (folder / "model_index.json").is_file():
+        print("first-image: the model folder was not written:", rows[-1] if rows else "")
+        return write_json(args, rows)
+    rows.append(emit(disk_read(folder / "transformer")))
+    rows += subprocess_rows(args, "first-image-read", ["--model-folder", str(folder)])
+    common = ["--model", str(folder), "--prompt", args.prompt, "--steps", str(args.steps), "--guidance", "0",
+              "--height", str(args.height), "--width", str(args.width), "--overwrite"]
+    with tempfile.TemporaryDirectory(prefix="mxdit-first-image-") as work:
+        work = Path(work)
+        ours = common + ["--precision", args.precision, "--attention", args.attention, "--compile-cache",
+                         str(work / "cache")]
+        for start in ("first", "second"):
+            rows.append(emit(timed_start(f"mxdit {args.precision}, {start} start", [sys.executable, str(GENERATE)],
+                                         ours, work / f"mxdit_{start}.png")))
+        if args.diffusers:
+            rows.append(emit(timed_start("diffusers eager bf16", [sys.executable, str(CLI), "first-image-diffusers",
+                                                                   "--model-folder", str(folder)],
+                                         ["--prompt", args.prompt, "--steps", str(args.steps), "--height",
+                                          str(args.height), "--width", str(args.width)], work / "diffusers.png")))
+    print(f"\nTime to the first image: Krea 2 Turbo, {args.height}x{args.width}, {args.steps} steps, random full-size "
+          f"weights read from {folder}")
+    for r in rows:
+        if "error" in r:
+            print(f"{r.get('name', '?'):<36} error: {r['error']}")
+        elif "to_png_s" in r:
+            stages = ", ".join(f"{k} {v:.2f}" for k, v in r.get("stages", {}).items())
+            print(f"{r['name']:<36} {r['to_png_s']:7.2f} s to the PNG (page cache dropped: {r['cache_dropped']}); "
+                  f"{stages}")
+            for line in r.get("notes", []):
+                print(f"{'':<36} {line}")
+        elif "gb_per_s" in r:
+            print(f"{r['name']:<36} {r['gb']:.1f} GB in {r['seconds']:.2f} s: {r['gb_per_s']:.2f} GB/s "
+                  f"(page cache dropped: {r['cache_dropped']})")
+    write_json(args, rows)
+
+
+def timed_start(name: str, program: list[str], argv: list[str], png: Path) -> dict:
+    """Run `program argv --output png` as a new process: seconds from just before it starts to the PNG's
+    modification time (written whole, then renamed), and what it printed of its stages."""
+    png.unlink(missing_ok=True)
+    dropped = drop_page_cache()
+    start = time.time()
+    proc = subprocess.run(program + argv + ["--output", str(png)], capture_output=True, text=True)
+    exited = time.time() - start
+    row = {"name": name, "cache_dropped": dropped, "exit_s": exited}
+    if proc.returncode or not png.is_file():
+        tail = " | ".join(proc.stderr.strip().splitlines()[-3:])[-600:]
+        return {**row, "error": f"exit {proc.returncode}: {tail}"}
+    row["to_png_s"] = png.stat().st_mtime - start
+    row["stages"], row["notes"] = {}, []
+    for line in proc.stdout.splitlines():
+        parts = line.split()
+        if line.startswith(("executables:", "compilation:")):
+            row["notes"].append(line)
+        elif len(parts) >= 2 and parts[-1].replace(".", "", 1).isdigit() and not line.startswith("{"):
+            row["stages"][" ".join(parts[:-1])] = float(parts[-1])
+        elif line.startswith("{"):  # the diffusers half's own row
+            import json
+
+            row["stages"].update({k: v for k, v in json.loads(line).items() if isinstance(v, float)})
+    return row
+
+
+def disk_read(folder: Path) -> dict:
+    """dd of the folder's safetensors files to /dev/null in 64 MiB blocks, after dropping the page cache."""
+    files = sorted(folder.glob("*.safetensors"))
+    dropped = drop_page_cache()
+    start = time.perf_counter()
+    for f in files:
+        subprocess.run(["dd", f"if={f}", "of=/dev/null", "bs=64M"], check=True, capture_output=True)
+    seconds = time.perf_counter() - start
+    gb = sum(f.stat().st_size for f in files) / 1e9
+    return {"name": "disk read (dd)", "gb": gb, "seconds": seconds, "gb_per_s": gb / seconds, "cache_dropped": dropped}
+
+
+def jax_read(args) -> list[dict]:
+    """Our read of the transformer's weights into device memory (bf16, as generate.py reads them), after the page
+    cache is dropped, then again from the page cache."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from mxdit.model.krea2 import Krea2Transformer
+
+    folder = Path(args.model_folder) / "transformer"
+    gb = sum(f.stat().st_size for f in folder.glob("*.safetensors")) / 1e9
+    jax.block_until_ready(jnp.zeros(1))  # the backend's start is not the read
+    rows = []
+    for label in ("from disk", "from the page cache"):
+        dropped = drop_page_cache() if label == "from disk" else False
+        start = time.perf_counter()
+        model = Krea2Transformer.from_pretrained(folder, jnp.bfloat16)
+        jax.block_until_ready(nnx.state(model))
+        seconds = time.perf_counter() - start
+        rows.append(emit({"name": f"mxdit transformer read, {label}", "gb": gb, "seconds": seconds,
+                          "gb_per_s": gb / seconds, "cache_dropped": dropped}))
+        del model
+    return rows
+
+
+def write_model(args) -> list[dict]:
+    """A Krea 2 Turbo folder of random full-size bf16 weights, written by diffusers (its layout, its files)."""
+    from .diffusers_side import _krea2_pipeline
+
+    start = time.perf_counter()
+    pipe = _krea2_pipeline(args)
+    pipe.save_pretrained(args.model_folder)
+    return [emit({"name": "model folder written", "seconds": time.perf_counter() - start})]
+
+
+def diffusers_first_image(args) -> list[dict]:
+    """diffusers' eager pipeline in a new process: import, from_pretrained to the GPU, one image, the PNG."""
+    start = time.perf_counter()
+    try:
+        import torch
+        from diffusers import Krea2Pipeline
+
+        imported = time.perf_counter()
+        device = "cuda" if torch.cuda.is_available() else "cpu"  # a CPU: the smoke run of the path
+        pipe = Krea2Pipeline.from_pretrained(args.model_folder, torch_dtype=torch.bfloat16).to(device)
+        pipe.set_progress_bar_config(disable=True)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        loaded = time.perf_counter()
+        with torch.inference_mode():
+            image = pipe(args.prompt, height=args.height, width=args.width, num_inference_steps=args.steps,
+                         guidance_scale=0.0).images[0]
+        generated = time.perf_counter()
+        image.save(args.output)
+        done = time.perf_counter()
+    except Exception as e:
+        return [emit({"name": "diffusers first image", "error": error_text(e)})]
+    return [emit({"import": imported - start, "load": loaded - imported, "generate": generated - loaded,
+                  "write": done - generated})]
