@@ -12,6 +12,8 @@ Each model states how a checkpoint's keys become its own in a `KeyMap` (made by 
 
 from __future__ import annotations
 
+import collections
+import concurrent.futures
 import contextlib
 import contextvars
 import dataclasses
@@ -76,6 +78,7 @@ def config_from_dict(cls: type[T], data: Mapping[str, Any], source: str) -> T:
         raise CheckpointError(f"{source}: invalid {cls.__name__}: {e}") from None
 
 
+READ_AHEAD = 4  # tensors read ahead of the one going to the device (`read_ahead`)
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")  # PyTorch's torch.save files: pickles, which run code when read
 
 
@@ -466,11 +469,17 @@ def load_state(build: Callable[[], nnx.Module], keys: KeyMap, *, source: str = "
     plan.raise_problems(source)
     graphdef, state = nnx.split(abstract)
     flat = nnx.to_flat_state(state)
-    for path, variable in flat:
-        name = module_key(path)
+
+    def read(name: str) -> np.ndarray:
         array = keys.checkpoint.get(plan.sources[name])
         if plan.conversions[name] is not None:
             array = np.ascontiguousarray(plan.conversions[name](array))
+        return array
+
+    # The next tensors are read from the file while this one goes to the device: the load takes the longer of the
+    # two, not their sum.
+    names = [module_key(path) for path, _ in flat]
+    for (path, variable), (name, array) in zip(flat, read_ahead(names, read), strict=True):
         value = jax.device_put(array, may_alias=False)
         want = variable.get_value()
         if value.dtype != want.dtype:
@@ -478,6 +487,23 @@ def load_state(build: Callable[[], nnx.Module], keys: KeyMap, *, source: str = "
         variable.set_value(placed(name, value))
         del array
     return nnx.merge(graphdef, nnx.from_flat_state(flat))
+
+
+def read_ahead(items: Sequence[T], read: Callable[[T], Any], depth: int = READ_AHEAD) -> Iterator[tuple[T, Any]]:
+    """(item, read(item)) for each item in order, with up to `depth` reads running ahead on one background thread
+    (bounded host memory). A read's exception is raised where its item is reached."""
+    items = list(items)
+    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="mxdit-read") as pool:
+        pending = collections.deque((item, pool.submit(read, item)) for item in items[:depth])
+        try:
+            for i in range(len(items)):
+                item, future = pending.popleft()
+                if i + depth < len(items):
+                    pending.append((items[i + depth], pool.submit(read, items[i + depth])))
+                yield item, future.result()
+        finally:  # an early exit: the reads not started yet are dropped
+            for _, future in pending:
+                future.cancel()
 
 
 def iter_params(module: nnx.Module) -> Iterator[tuple[str, jax.Array]]:

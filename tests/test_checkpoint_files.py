@@ -202,3 +202,25 @@ def test_interrupted_png_and_json_writes_keep_the_old_file(tmp_path, monkeypatch
     with pytest.raises(DiskFull):
         train_lib._write_json(tmp_path / "config.json", {"steps": 20})
     assert listing(tmp_path) == before
+
+
+def test_read_ahead_keeps_the_order_bounds_the_reads_and_raises_where_the_item_is():
+    import threading
+
+    from mxdit.model.loading import read_ahead
+
+    started, lock = [], threading.Lock()
+
+    def read(i):
+        with lock:
+            started.append(i)
+        if i == 7:
+            raise ValueError("item 7 is damaged")
+        return i * i
+
+    seen = []
+    with pytest.raises(ValueError, match="item 7 is damaged"):
+        for i, value in read_ahead(range(20), read, depth=3):
+            assert max(started) <= i + 3  # never more than `depth` reads ahead of the consumer
+            seen.append((i, value))
+    assert seen == [(i, i * i) for i in range(7)] and max(started) <= 10
