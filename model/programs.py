@@ -32,7 +32,7 @@ import jax
 
 from .loading import write_atomically
 
-FORMAT = 1  # the layout of a stored file: (FORMAT, out_tree, serialized executable)
+FORMAT = 2  # the layout of a stored file: (FORMAT, out_tree, serialized executable, the device's id)
 SUFFIX = ".xla"
 _SOURCE_FOLDERS = ("model", "ops", "quant", "pallas_kernels", "sharding")
 
@@ -81,6 +81,8 @@ class ProgramStore:
     def call(self, name: str, jitted, dynamic: Sequence, static: dict):
         """`jitted(*dynamic, **static)` by the stored executable of this shape (loaded, or compiled and stored)."""
         leaves, treedef = jax.tree.flatten(tuple(dynamic))
+        if any(isinstance(leaf, jax.core.Tracer) for leaf in leaves):  # inside another program's trace
+            return jitted(*dynamic, **static)
         signature = tuple(_leaf_signature(leaf) for leaf in leaves)
         memo = (name, treedef, signature, tuple(sorted(static.items())))
         program = self._programs.get(memo)
@@ -92,6 +94,8 @@ class ProgramStore:
                 if program is None:
                     program = self._load_or_compile(name, jitted, dynamic, static, treedef, signature)
                     self._programs[memo] = program
+        if program is _ON_DEVICES:
+            return jitted(*dynamic, **static)
         return program(*dynamic)
 
     def _load_or_compile(self, name, jitted, dynamic, static, treedef, signature):
@@ -102,14 +106,17 @@ class ProgramStore:
         if path.is_file():
             t0 = time.perf_counter()
             try:
-                fmt, out_tree, payload = pickle.loads(path.read_bytes())
+                fmt, *stored = pickle.loads(path.read_bytes())
                 if fmt != FORMAT:
                     raise ValueError(f"format {fmt}, expected {FORMAT}")
+                out_tree, payload, device_id = stored
+                # Its own device: by default an executable is loaded onto all of the backend's devices.
+                device = next(d for d in jax.devices() if d.id == device_id)
                 from jax.experimental.serialize_executable import deserialize_and_load
 
                 _prepare_backend()
                 in_tree = jax.tree.structure((tuple(dynamic), {}))
-                program = deserialize_and_load(payload, in_tree, out_tree)
+                program = deserialize_and_load(payload, in_tree, out_tree, execution_devices=[device])
                 with self._lock:
                     self.stats.loaded += 1
                     self.stats.load_s += time.perf_counter() - t0
@@ -119,6 +126,8 @@ class ProgramStore:
                     self.stats.failed_loads.append(f"{path.name}: {type(e).__name__}: {str(e)[:200]}")
         t0 = time.perf_counter()
         compiled = jitted.lower(*dynamic, **static).compile()
+        if not _one_device(compiled):
+            return _ON_DEVICES
         with self._lock:
             self.stats.compiled += 1
             self.stats.compile_s += time.perf_counter() - t0
@@ -130,9 +139,19 @@ class ProgramStore:
             with self._lock:
                 self.stats.failed_loads.append(f"{path.name}: not serializable: {type(e).__name__}: {str(e)[:200]}")
             return compiled
+        (device,) = {d for sharding in jax.tree.leaves(compiled.input_shardings) for d in sharding.device_set}
         self.folder.mkdir(parents=True, exist_ok=True)
-        write_atomically(path, lambda tmp: tmp.write_bytes(pickle.dumps((FORMAT, out_tree, payload))))
+        write_atomically(path, lambda tmp: tmp.write_bytes(pickle.dumps((FORMAT, out_tree, payload, device.id))))
         return compiled
+
+
+# A program that runs on several devices (a mesh's, from its arguments or from a mesh context): `jax.jit` serves it,
+# since jax.jit moves the arguments it is given onto the program's devices and a compiled executable does not.
+_ON_DEVICES = object()
+
+
+def _one_device(program) -> bool:
+    return all(len(sharding.device_set) == 1 for sharding in jax.tree.leaves(program.input_shardings))
 
 
 @functools.cache

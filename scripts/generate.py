@@ -92,6 +92,13 @@ def parse_args(argv=None) -> argparse.Namespace:
             parser.error(f"--prompts {args.prompts}: no such file")
         if args.num_images != 1:
             parser.error("--num-images with --prompts: repeat the line (with its own seed) instead")
+        if args.mesh is not None:
+            from mxdit.sharding.mesh import parse_mesh
+
+            data = parse_mesh(args.mesh).get("data", 1)
+            if args.batch_size % data:
+                parser.error(f"--batch-size {args.batch_size} with --mesh {args.mesh}: the batch must divide into "
+                             f"data={data} parts")
     if args.output.suffix.lower() != ".png":
         parser.error(f"--output {args.output}: must end in .png")
     args.outputs = [] if args.prompts else output_paths(args.output, len(args.prompt) * args.num_images)
@@ -273,7 +280,9 @@ def generate_jobs(args: argparse.Namespace, pipe, stages: dict[str, float], star
     from mxdit.model.requests import generate_batch, group_batches
 
     failed = [line for line, _ in args.bad_lines]
-    full = set()  # the batch keys that have run a full batch: their last, shorter batch is padded to the same shape
+    # The batch keys that have run a full batch: their last, shorter batch is padded to the same shape. On a mesh
+    # every batch is: its data axis splits the batch.
+    full = set()
     totals: dict[str, float] = {}
     t0 = time.perf_counter()
     with tqdm(total=len(args.jobs), desc="images", unit="image", dynamic_ncols=True) as bar:
@@ -283,7 +292,8 @@ def generate_jobs(args: argparse.Namespace, pipe, stages: dict[str, float], star
                 full.add(key)
             try:
                 images, timings = generate_batch(
-                    pipe, [job.request for job in batch], pad_to=args.batch_size if key in full else None,
+                    pipe, [job.request for job in batch],
+                    pad_to=args.batch_size if key in full or args.mesh is not None else None,
                     lora_slots=pipe.lora_slots, tiled_decode=args.tiled_decode, true_cfg=args.true_cfg,
                     max_sequence_length=args.max_sequence_length)
                 for image, job in zip(images, batch, strict=True):

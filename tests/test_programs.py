@@ -1,9 +1,12 @@
 """model/programs.py: compiled programs stored on disk are loaded by a later store (a later process) instead of traced,
 under keys that change with anything that changes the program; generate.py's second start loads them all."""
 
-import importlib.util
+import os
+import subprocess
+import sys
 from pathlib import Path
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -31,7 +34,10 @@ def test_a_second_store_on_the_folder_loads_the_program_instead_of_tracing_it(tm
         c = _power_plus(x, 1.0, power=2)
     assert (second.stats.loaded, second.stats.compiled, len(TRACES)) == (1, 0, 1)
     np.testing.assert_array_equal(c, a)
-    # Outside a store it is jax.jit, and the folder is not touched.
+    # Inside another function's trace it is traced as jax.jit would be; outside a store it is jax.jit. Neither
+    # touches the folder.
+    with use_program_store(tmp_path):
+        np.testing.assert_array_equal(jax.jit(lambda v: _power_plus(v, 1.0, power=2))(x), a)
     np.testing.assert_array_equal(_power_plus(x, 1.0, power=2), a)
     assert len(list(tmp_path.glob("*.xla"))) == 1
 
@@ -66,20 +72,41 @@ def test_a_damaged_file_is_compiled_again_and_replaced(tmp_path):
     assert (store.stats.loaded, store.stats.compiled) == (1, 0)
 
 
-def test_generate_second_start_loads_every_program_and_writes_the_same_image(tmp_path, capsys):
-    spec = importlib.util.spec_from_file_location("generate", Path(__file__).parent.parent / "scripts" / "generate.py")
-    generate = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(generate)
-    common = ["--model", str(FIXTURES / "krea2" / "tiny_pipeline"), "--prompt", "a cat", "--height", "64", "--width",
-              "64", "--steps", "2", "--dtype", "fp32", "--max-sequence-length", "16", "--compile-cache",
+def test_generate_second_start_loads_every_program_and_writes_the_same_image(tmp_path):
+    """Two processes, as a user runs generate.py twice: the second loads the four programs the first stored."""
+    common = [sys.executable, str(Path(__file__).parent.parent / "scripts" / "generate.py"), "--model",
+              str(FIXTURES / "krea2" / "tiny_pipeline"), "--prompt", "a cat", "--height", "64", "--width", "64",
+              "--steps", "2", "--dtype", "fp32", "--max-sequence-length", "16", "--compile-cache",
               str(tmp_path / "cache")]
     outputs = []
     for start in ("first", "second"):
         outputs.append(tmp_path / f"{start}.png")
-        assert generate.main(common + ["--output", str(outputs[-1])]) == 0
-        printed = capsys.readouterr().out
-        summary = next(line for line in printed.splitlines() if line.startswith("executables:"))
+        proc = subprocess.run(common + ["--output", str(outputs[-1])], capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        summary = next(line for line in proc.stdout.splitlines() if line.startswith("executables:"))
         # text encoder, the transformer's text stage, the denoising loop, the VAE decoder
         expected = "0 loaded (0.0 s), 4 compiled and stored" if start == "first" else "4 loaded"
         assert expected in summary and (start == "first" or ", 0 compiled" in summary), summary
     assert outputs[0].read_bytes() == outputs[1].read_bytes()
+
+
+ON_TWO_DEVICES = """
+import sys
+import jax, jax.numpy as jnp
+from mxdit.model.programs import stored_jit, use_program_store
+f = stored_jit(lambda x: jnp.sin(x) * 2)
+with use_program_store(sys.argv[1]) as store:
+    y = f(jnp.arange(8.0))
+    print(store.stats.loaded, store.stats.compiled, float(y.sum()))
+"""
+
+
+def test_a_program_loads_onto_its_one_device_on_a_host_of_several(tmp_path):
+    """A stored one-device program, loaded in a process that sees two devices, runs on its own device (loaded onto
+    all of them it would expect an argument per device)."""
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu"}
+    runs = [subprocess.run([sys.executable, "-c", ON_TWO_DEVICES, str(tmp_path)], capture_output=True, text=True,
+                           env=env, timeout=300) for _ in range(2)]
+    assert all(run.returncode == 0 for run in runs), runs[-1].stderr[-2000:]
+    (first_loaded, first_compiled, first_sum), (loaded, compiled, total) = (run.stdout.split() for run in runs)
+    assert (first_loaded, first_compiled, loaded, compiled) == ("0", "1", "1", "0") and total == first_sum
