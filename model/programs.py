@@ -140,6 +140,10 @@ class ProgramStore:
                 self.stats.failed_loads.append(f"{path.name}: not serializable: {type(e).__name__}: {str(e)[:200]}")
             return compiled
         (device,) = {d for sharding in jax.tree.leaves(compiled.input_shardings) for d in sharding.device_set}
+        if device.platform == "cpu" and not _runs_when_loaded(payload, out_tree, device, dynamic):
+            with self._lock:
+                self.stats.failed_loads.append(f"{path.name}: not stored: its executable does not run when loaded")
+            return compiled
         self.folder.mkdir(parents=True, exist_ok=True)
         write_atomically(path, lambda tmp: tmp.write_bytes(pickle.dumps((FORMAT, out_tree, payload, device.id))))
         return compiled
@@ -152,6 +156,21 @@ _ON_DEVICES = object()
 
 def _one_device(program) -> bool:
     return all(len(sharding.device_set) == 1 for sharding in jax.tree.leaves(program.input_shardings))
+
+
+def _runs_when_loaded(payload: bytes, out_tree, device, dynamic: Sequence) -> bool:
+    """Whether the serialized executable loads and runs. XLA:CPU can compile a program that calls kernels an earlier
+    program of the process compiled, which its serialized form then lacks ("Function ... not found" when run): such a
+    file is not kept. Run once on the call's arguments, on the CPU only, where the programs are small."""
+    from jax.experimental.serialize_executable import deserialize_and_load
+
+    try:
+        program = deserialize_and_load(payload, jax.tree.structure((tuple(dynamic), {})), out_tree,
+                                       execution_devices=[device])
+        jax.block_until_ready(program(*dynamic))
+        return True
+    except Exception:
+        return False
 
 
 @functools.cache

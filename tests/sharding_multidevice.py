@@ -195,10 +195,12 @@ def test_sharded_pipeline_and_generate_cli(tmp_path, monkeypatch, capsys):
     assert code == 0 and (tmp_path / "x_0.png").is_file() and (tmp_path / "x_1.png").is_file(), capsys.readouterr().err
     prompts_file = tmp_path / "prompts.txt"  # many images, data-parallel: 3 lines in batches of 2 (the last padded)
     prompts_file.write_text("a\nb\nc\n")
-    code = generate.main(["--demo", "--prompts", str(prompts_file), "--mesh", "data=2", "--batch-size", "2",
-                          "--height", "64", "--width", "64", "--steps", "1", "--max-sequence-length", "8",
-                          "--output", str(tmp_path / "p.png")])
-    assert code == 0 and all((tmp_path / f"p_{n}.png").is_file() for n in (1, 2, 3)), capsys.readouterr().err
+    for start in ("first", "second"):  # the second from the first's stored programs, on a host of 8 devices
+        code = generate.main(["--demo", "--prompts", str(prompts_file), "--mesh", "data=2", "--batch-size", "2",
+                              "--height", "64", "--width", "64", "--steps", "1", "--max-sequence-length", "8",
+                              "--compile-cache", str(tmp_path / "cache"), "--overwrite",
+                              "--output", str(tmp_path / "p.png")])
+        assert code == 0 and all((tmp_path / f"p_{n}.png").is_file() for n in (1, 2, 3)), capsys.readouterr().err
     code = generate.main(["--demo", "--prompt", "a", "--mesh", "seq=16", "--output", str(tmp_path / "y.png")])
     err = capsys.readouterr().err
     assert code == 2 and "--mesh: mesh seq=16: needs 16 devices, which does not divide the 8 devices" in err
