@@ -16,7 +16,8 @@ import dataclasses
 import sys
 from pathlib import Path
 
-from mxdit.cli import OneLineErrorParser, add_model_arguments, check_model_arguments, compile_caches, inference_options
+from mxdit.cli import (OneLineErrorParser, add_model_arguments, check_model_arguments, compile_caches, inference_options,
+                       mesh_from_arguments)
 
 
 def build_parser() -> OneLineErrorParser:
@@ -80,7 +81,8 @@ def main(argv=None) -> int:
                           true_cfg=args.true_cfg, max_sequence_length=args.max_sequence_length)
     with compile_caches(args.compile_cache) as store:
         try:
-            pipe = build_pipeline(None if args.demo else args.model, inference_options(args, swap_loras=True))
+            options = inference_options(args, mesh_from_arguments(args), swap_loras=True)
+            pipe = build_pipeline(None if args.demo else args.model, options)
         except (CheckpointError, ValueError) as e:
             print(f"serve.py: error: {e}", file=sys.stderr)
             return 2
