@@ -35,11 +35,13 @@ class QueueFull(Exception):
 
 @dataclasses.dataclass(frozen=True)
 class ServerConfig:
-    """max_batch: images per pipeline call; max_queue: requests waiting before 503; batch_wait_s: how long the oldest
+    """max_batch: images per pipeline call; min_batch: the smallest call (a mesh's data axis splits every batch);
+    max_queue: requests waiting before 503; batch_wait_s: how long the oldest
     request waits for others of its batch key; keep_images: finished PNGs kept for GET; output_dir: also write each
     PNG there (as <id>.png); the rest as generate.py's flags."""
 
     max_batch: int = 4
+    min_batch: int = 1
     max_queue: int = 64
     batch_wait_s: float = 0.02
     keep_images: int = 256
@@ -57,9 +59,9 @@ class _Job:
     id: str = dataclasses.field(default_factory=lambda: uuid.uuid4().hex)
 
 
-def padded_batch_size(n: int, max_batch: int) -> int:
-    """The batch size a call of n requests runs at: the next power of two, at most max_batch."""
-    size = 1
+def padded_batch_size(n: int, max_batch: int, min_batch: int = 1) -> int:
+    """The batch size a call of n requests runs at: the next power of two, at most max_batch, at least min_batch."""
+    size = min_batch
     while size < n:
         size *= 2
     return min(size, max_batch)
@@ -150,7 +152,8 @@ class GenerationServer:
         c = self.config
         try:
             images, timings = generate_batch(
-                self.pipe, [job.request for job in batch], pad_to=padded_batch_size(len(batch), c.max_batch),
+                self.pipe, [job.request for job in batch],
+                pad_to=padded_batch_size(len(batch), c.max_batch, c.min_batch),
                 lora_slots=self.pipe.lora_slots, tiled_decode=c.tiled_decode, true_cfg=c.true_cfg,
                 max_sequence_length=c.max_sequence_length)
             pngs = []

@@ -54,6 +54,14 @@ def parse_args(argv=None) -> argparse.Namespace:
             parser.error(f"--{name.replace('_', '-')} {getattr(args, name)}: must be >= 1")
     if not 0 <= args.port <= 65535:
         parser.error(f"--port {args.port}: must be between 0 and 65535")
+    args.min_batch = 1
+    if args.mesh is not None:
+        from mxdit.sharding.mesh import parse_mesh
+
+        args.min_batch = parse_mesh(args.mesh).get("data", 1)
+        if args.max_batch % args.min_batch:
+            parser.error(f"--max-batch {args.max_batch} with --mesh {args.mesh}: must divide into data={args.min_batch} "
+                         "parts")
     if args.output_dir is not None and not args.output_dir.is_dir():
         parser.error(f"--output-dir {args.output_dir}: no such folder")
     side = 256 if args.demo else 1024
@@ -76,7 +84,7 @@ def main(argv=None) -> int:
     from mxdit.model.requests import generate_batch
     from mxdit.server import GenerationServer, ServerConfig, padded_batch_size
 
-    config = ServerConfig(max_batch=args.max_batch, max_queue=args.max_queue, batch_wait_s=args.batch_wait_ms / 1000,
+    config = ServerConfig(max_batch=args.max_batch, min_batch=args.min_batch, max_queue=args.max_queue, batch_wait_s=args.batch_wait_ms / 1000,
                           keep_images=args.keep_images, output_dir=args.output_dir, tiled_decode=args.tiled_decode,
                           true_cfg=args.true_cfg, max_sequence_length=args.max_sequence_length)
     with compile_caches(args.compile_cache) as store:
@@ -87,7 +95,8 @@ def main(argv=None) -> int:
             print(f"serve.py: error: {e}", file=sys.stderr)
             return 2
         if args.warmup:
-            for size in sorted({padded_batch_size(n, args.max_batch) for n in range(1, args.max_batch + 1)}):
+            for size in sorted({padded_batch_size(n, args.max_batch, args.min_batch)
+                                for n in range(1, args.max_batch + 1)}):
                 warm = dataclasses.replace(args.defaults, prompt="warm-up")
                 _, timings = generate_batch(pipe, [warm] * size, tiled_decode=args.tiled_decode,
                                             true_cfg=args.true_cfg, max_sequence_length=args.max_sequence_length)

@@ -144,3 +144,10 @@ def test_serve_bad_arguments_exit_with_one_line(tmp_path, capsys):
             serve.parse_args(["--demo"] + argv)
         err = capsys.readouterr().err
         assert exit_.value.code == 2 and message in err and err.count("\n") == 1, err
+
+
+def test_batches_are_padded_to_few_sizes():
+    from mxdit.server import padded_batch_size
+
+    assert [padded_batch_size(n, 8) for n in range(1, 9)] == [1, 2, 4, 4, 8, 8, 8, 8]
+    assert [padded_batch_size(n, 6, min_batch=3) for n in range(1, 7)] == [3, 3, 3, 6, 6, 6]  # a data=3 mesh
