@@ -6,6 +6,7 @@
     python scripts/benchmark.py vae-decode                      # Qwen-Image and FLUX VAE decode, 1024 and 2048
     python scripts/benchmark.py krea2-pipeline                  # Turbo 8 steps end to end, warm and cold
     python scripts/benchmark.py first-image                     # process start to PNG, ours twice and diffusers
+    python scripts/benchmark.py throughput --batches 1 4 16     # warm images/s per batch size, ours and diffusers
     python scripts/benchmark.py flux-step                       # FLUX.1-dev, one step at 1024x1024
     python scripts/benchmark.py gemm                            # block-scaled GEMM kernels vs XLA and torch
     python scripts/benchmark.py krea2-sharded-step --meshes seq=8 cfg=2,seq=4 --guidance   # all GPUs, per mesh
@@ -31,7 +32,7 @@ if str(Path(__file__).resolve().parent) not in sys.path:  # the benchmarks packa
 from mxdit.ops.names import AttentionKernel, Precision  # noqa: E402 (plain names, no jax)
 
 from benchmarks import (attention, diffusers_side, first_image, flux, gemm, krea2, lora, offload,  # noqa: E402
-                        pipeline, sharding, vae)
+                        pipeline, sharding, throughput, vae)
 
 COMMANDS = {
     "krea2-step": krea2.krea2_step, "krea2-step-diffusers": diffusers_side.diffusers_krea2_step,
@@ -41,6 +42,8 @@ COMMANDS = {
     "krea2-pipeline-jax": pipeline.jax_krea2_pipeline,
     "first-image": first_image.first_image, "first-image-write": first_image.write_model,
     "first-image-read": first_image.jax_read, "first-image-diffusers": first_image.diffusers_first_image,
+    "throughput": throughput.throughput, "throughput-jax": throughput.jax_throughput,
+    "throughput-diffusers": throughput.diffusers_throughput,
     "krea2-sharded-step": sharding.krea2_sharded_step,
     "krea2-lora-step": lora.lora_step, "krea2-lora-step-jax": lora.jax_lora_step,
     "flux-lora-step": lora.lora_step, "flux-lora-step-jax": lora.jax_lora_step,
@@ -188,6 +191,20 @@ def _add_pipeline_commands(sub) -> None:
         p.add_argument("--attention", default="int8_mosaic_fp8", choices=ATTENTION_CHOICES)
         p.add_argument("--no-diffusers", dest="diffusers", action="store_false")
         p.add_argument("--output", default=None, help="the diffusers half's PNG")
+        _json_argument(p)
+    for name in ("throughput", "throughput-jax", "throughput-diffusers"):
+        p = sub.add_parser(name, help=_help(name, "throughput", "warm images per second by batch size"))
+        p.add_argument("--model-folder", default="/tmp/mxdit-first-image/krea2-turbo",
+                       help="the Krea 2 Turbo folder read by both sides (written with random weights if missing)")
+        p.add_argument("--batches", nargs="+", type=int, default=[1, 4, 16])
+        _image_arguments(p)
+        p.add_argument("--steps", type=int, default=8)
+        p.add_argument("--repeats", type=int, default=2, help="timed calls per batch size after the first")
+        p.add_argument("--prompt", default="a red fox in the snow, photo")
+        p.add_argument("--num-layers", type=int, default=None, help="fewer transformer blocks, for a quick smoke run")
+        p.add_argument("--precision", default="fp8", choices=PRECISION_CHOICES)
+        p.add_argument("--attention", default="int8_mosaic_fp8", choices=ATTENTION_CHOICES)
+        p.add_argument("--no-diffusers", dest="diffusers", action="store_false")
         _json_argument(p)
 
 
