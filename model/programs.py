@@ -32,6 +32,7 @@ import jax
 
 from .loading import write_atomically
 
+UNUSED_DAYS = 30  # a stored program not loaded or written for this long is deleted when the store next writes
 FORMAT = 2  # the layout of a stored file: (FORMAT, out_tree, serialized executable, the device's id)
 SUFFIX = ".xla"
 _SOURCE_FOLDERS = ("model", "ops", "quant", "pallas_kernels", "sharding")
@@ -58,6 +59,20 @@ class ProgramStore:
         self._lock = threading.Lock()  # guards the tables and the stats
         self._program_locks: dict = {}  # one per program: two threads never compile the same one, others go on
         self._environment: str | None = None
+        self._pruned = False
+
+    def prune(self, unused_days: float = UNUSED_DAYS) -> int:
+        """Delete the stored programs not loaded or written for `unused_days` (another jax, another version of this
+        code, a size no longer asked for: their keys are never met again); returns how many."""
+        cutoff, removed = time.time() - unused_days * 86400, 0
+        for path in self.folder.glob(f"*{SUFFIX}"):
+            try:
+                if path.stat().st_mtime < cutoff:
+                    path.unlink()
+                    removed += 1
+            except OSError:  # another process removed or replaced it
+                pass
+        return removed
 
     def summary(self) -> str:
         """One line, e.g. "executables: 4 loaded (0.3 s), 1 compiled and stored (2.1 s)"."""
@@ -120,6 +135,7 @@ class ProgramStore:
                 with self._lock:
                     self.stats.loaded += 1
                     self.stats.load_s += time.perf_counter() - t0
+                os.utime(path)  # in use: `prune` keeps it
                 return program
             except Exception as e:  # a stale or damaged file: compiled again below and replaced
                 with self._lock:
@@ -145,6 +161,9 @@ class ProgramStore:
                 self.stats.failed_loads.append(f"{path.name}: not stored: its executable does not run when loaded")
             return compiled
         self.folder.mkdir(parents=True, exist_ok=True)
+        if not self._pruned:  # once a process, when it adds a program: the folder does not grow without end
+            self._pruned = True
+            self.prune()
         write_atomically(path, lambda tmp: tmp.write_bytes(pickle.dumps((FORMAT, out_tree, payload, device.id))))
         return compiled
 

@@ -110,3 +110,18 @@ def test_a_program_loads_onto_its_one_device_on_a_host_of_several(tmp_path):
     assert all(run.returncode == 0 for run in runs), runs[-1].stderr[-2000:]
     (first_loaded, first_compiled, first_sum), (loaded, compiled, total) = (run.stdout.split() for run in runs)
     assert (first_loaded, first_compiled, loaded, compiled) == ("0", "1", "1", "0") and total == first_sum
+
+
+def test_programs_unused_for_a_month_are_pruned_when_the_store_next_writes(tmp_path):
+    x = jnp.arange(4.0)
+    with use_program_store(tmp_path):
+        _power_plus(x, 1.0, power=2)
+    (old,) = tmp_path.glob("*.xla")
+    os.utime(old, (0, 0))  # last used in 1970
+    with use_program_store(tmp_path) as store:
+        _power_plus(x, 1.0, power=2)  # a load marks it used
+    assert old.is_file() and old.stat().st_mtime > 1e9 and store.stats.loaded == 1
+    os.utime(old, (0, 0))
+    with use_program_store(tmp_path):
+        _power_plus(x, 1.0, power=5)  # a new program is written: the old one goes first
+    assert not old.is_file() and len(list(tmp_path.glob("*.xla"))) == 1
