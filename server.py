@@ -141,11 +141,21 @@ class GenerationServer:
 
         with use_program_store(self.program_store):
             while (batch := self._next_batch()) is not None:
-                self._run_batch(batch)
+                # a request whose caller went away (its future cancelled) is dropped, not run
+                batch = [job for job in batch if job.future.set_running_or_notify_cancel()]
+                if not batch:
+                    continue
+                try:
+                    self._run_batch(batch)
+                except Exception as e:  # the worker goes on; a request not answered yet gets the error
+                    for job in batch:
+                        if not job.future.done():
+                            job.future.set_exception(e)
         with self._cond:  # what is left when stopping fails rather than waits forever
             left, self._pending = self._pending, []
         for job in left:
-            job.future.set_exception(QueueFull("the server stopped"))
+            if job.future.set_running_or_notify_cancel():
+                job.future.set_exception(QueueFull("the server stopped"))
 
     def _run_batch(self, batch: list[_Job]) -> None:
         started = time.perf_counter()
@@ -166,23 +176,23 @@ class GenerationServer:
                 job.future.set_exception(e)
             return
         for job, png in zip(batch, pngs, strict=True):
-            if c.output_dir is not None:
-                from mxdit.model.loading import write_atomically
-
-                try:
-                    write_atomically(c.output_dir / f"{job.id}.png", lambda tmp, png=png: tmp.write_bytes(png))
-                except OSError as e:  # the image is still kept for GET; the request reports the failed write
-                    job.future.set_exception(e)
-                    continue
             with self._cond:
                 self.images[job.id] = png
                 while len(self.images) > c.keep_images:
                     self.images.popitem(last=False)
                 self.generated += 1
-            job.future.set_result({
-                "id": job.id, "image": f"/v1/images/{job.id}.png", "seed": job.request.seed, "batch_size": len(batch),
-                "timings": {"queue": started - job.submitted, **timings, "total": time.perf_counter() - job.submitted},
-            })
+            result = {"id": job.id, "image": f"/v1/images/{job.id}.png", "seed": job.request.seed,
+                      "batch_size": len(batch)}
+            if c.output_dir is not None:
+                from mxdit.model.loading import write_atomically
+
+                try:
+                    write_atomically(c.output_dir / f"{job.id}.png", lambda tmp, png=png: tmp.write_bytes(png))
+                except OSError as e:  # the image is still kept for GET: the answer says what was not written
+                    result["warning"] = f"not written to {c.output_dir}: {e}"
+            result["timings"] = {"queue": started - job.submitted, **timings,
+                                 "total": time.perf_counter() - job.submitted}
+            job.future.set_result(result)
 
     # -- HTTP ------------------------------------------------------------------------------------------------------
 
@@ -239,9 +249,11 @@ class GenerationServer:
     async def _health(self, request):
         from aiohttp import web
 
-        return web.json_response({"status": "ok", "model": self.model_name, "queued": self.queued(),
+        alive = self._worker.is_alive()
+        return web.json_response({"status": "ok" if alive else "worker stopped", "model": self.model_name,
+                                  "queued": self.queued(),
                                   "max_queue": self.config.max_queue, "max_batch": self.config.max_batch,
-                                  "generated": self.generated})
+                                  "generated": self.generated}, status=200 if alive else 503)
 
     async def _loras(self, request):
         from aiohttp import web

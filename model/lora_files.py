@@ -368,7 +368,9 @@ class LoraSlots:
             return
         for module, parts in self._parts.items():
             B = jnp.concatenate([new[name] * b for name, b in parts], axis=1)
-            self._layers[module].lora.B.set_value(B)
+            old = self._layers[module].lora.B.get_value()
+            # where the old one was: on a mesh, the sharded programs take the adapters placed as sharding left them
+            self._layers[module].lora.B.set_value(jax.device_put(B, old.sharding))
         self.weights = new
 
 

@@ -20,6 +20,7 @@ import dataclasses
 import functools
 import hashlib
 import importlib
+import importlib.metadata
 import inspect
 import os
 import pickle
@@ -89,7 +90,9 @@ class ProgramStore:
                      f"platform {backend.platform} {backend.platform_version}",
                      f"devices {len(devices)} x {sorted({d.device_kind for d in devices})}",
                      f"processes {jax.process_count()}", f"XLA_FLAGS {os.environ.get('XLA_FLAGS', '')}",
-                     f"x64 {jax.config.jax_enable_x64}", f"source {source_hash()}"]
+                     f"x64 {jax.config.jax_enable_x64}",
+                     f"matmul precision {jax.config.jax_default_matmul_precision}",
+                     f"flax {importlib.metadata.version('flax')}", f"source {source_hash()}"]
             self._environment = "\n".join(parts)
         return self._environment
 
@@ -135,7 +138,10 @@ class ProgramStore:
                 with self._lock:
                     self.stats.loaded += 1
                     self.stats.load_s += time.perf_counter() - t0
-                os.utime(path)  # in use: `prune` keeps it
+                try:
+                    os.utime(path)  # in use: `prune` keeps it
+                except OSError:  # a read-only store still serves
+                    pass
                 return program
             except Exception as e:  # a stale or damaged file: compiled again below and replaced
                 with self._lock:
@@ -160,11 +166,15 @@ class ProgramStore:
             with self._lock:
                 self.stats.failed_loads.append(f"{path.name}: not stored: its executable does not run when loaded")
             return compiled
-        self.folder.mkdir(parents=True, exist_ok=True)
-        if not self._pruned:  # once a process, when it adds a program: the folder does not grow without end
-            self._pruned = True
-            self.prune()
-        write_atomically(path, lambda tmp: tmp.write_bytes(pickle.dumps((FORMAT, out_tree, payload, device.id))))
+        try:
+            self.folder.mkdir(parents=True, exist_ok=True)
+            if not self._pruned:  # once a process, when it adds a program: the folder does not grow without end
+                self._pruned = True
+                self.prune()
+            write_atomically(path, lambda tmp: tmp.write_bytes(pickle.dumps((FORMAT, out_tree, payload, device.id))))
+        except OSError as e:  # a full disk or a read-only store: the program still runs in this process
+            with self._lock:
+                self.stats.failed_loads.append(f"{path.name}: not stored: {e}")
         return compiled
 
 

@@ -14,7 +14,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path, PurePosixPath
 
 MIN_SIDE, MAX_SIDE, MULTIPLE = 64, 4096, 16
-MAX_SEED = 2**63 - 1
+MAX_SEED = 2**32 - 1  # jax.random.key keeps 32 bits of a seed (without x64): a larger one would repeat a smaller
 FIELDS = ("prompt", "negative_prompt", "seed", "height", "width", "steps", "guidance", "loras", "output")
 
 

@@ -126,7 +126,8 @@ def read_jobs(args: argparse.Namespace) -> tuple[list[Job], list[tuple[int, str]
     with --lora, an output that exists (without --overwrite) or that an earlier line writes."""
     from mxdit.model.requests import GenerationRequest, read_requests
 
-    loras = tuple((path.stem, weight) for path, weight in args.loras)
+    # Each line's LoRA weights default to the --lora ones; fused, they are in the weights and a line names none.
+    loras = () if args.fuse_lora else tuple((path.stem, weight) for path, weight in args.loras)
     defaults = GenerationRequest(prompt="", negative_prompt=args.negative_prompt, seed=args.seed, height=args.height,
                                  width=args.width, steps=args.steps, guidance=args.guidance, loras=loras)
     try:
@@ -138,7 +139,9 @@ def read_jobs(args: argparse.Namespace) -> tuple[list[Job], list[tuple[int, str]
         path = (args.output.parent / request.output if request.output
                 else args.output.with_name(f"{args.output.stem}_{line}{args.output.suffix}"))
         unknown = [name for name, _ in request.loras if name not in known]
-        if unknown:
+        if request.loras and args.fuse_lora:
+            bad.append((line, "loras: the --lora files are fused (--fuse-lora); a line cannot weight them"))
+        elif unknown:
             bad.append((line, f"loras: {unknown[0]!r} is not a --lora file's name (given: {', '.join(sorted(known)) or 'none'})"))
         elif path in taken:
             bad.append((line, f"output {path} is also line {taken[path]}'s"))

@@ -65,8 +65,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.output_dir is not None and not args.output_dir.is_dir():
         parser.error(f"--output-dir {args.output_dir}: no such folder")
     side = 256 if args.demo else 1024
+    # A request without "loras" runs the --lora files at their given weights, as generate.py does.
     fields = {"prompt": "-", "height": args.height or side, "width": args.width or side, "steps": args.steps,
-              "guidance": args.guidance}
+              "guidance": args.guidance,
+              "loras": {} if args.fuse_lora else {path.stem: weight for path, weight in args.loras}}
     try:
         # a body without a prompt is refused: the defaults' prompt is empty
         args.defaults = dataclasses.replace(parse_request(fields, GenerationRequest(prompt="-")), prompt="")

@@ -206,6 +206,32 @@ def test_sharded_pipeline_and_generate_cli(tmp_path, monkeypatch, capsys):
     assert code == 2 and "--mesh: mesh seq=16: needs 16 devices, which does not divide the 8 devices" in err
 
 
+def test_lora_weights_change_per_batch_on_a_mesh():
+    """LoRA slots on a data-parallel pipeline: new weights keep the adapters where sharding placed them, and the same
+    weights give the image they give on one device."""
+    from conftest import FIXTURES
+    from mxdit.model.inference import InferenceOptions, build_pipeline
+    from mxdit.model.requests import GenerationRequest, generate_batch
+    from mxdit.sharding.mesh import make_mesh
+
+    loras = ((FIXTURES / "krea2" / "lora" / "kohya.safetensors", 1.0),)
+    folder = FIXTURES / "krea2" / "tiny_pipeline"
+    sharded = build_pipeline(folder, InferenceOptions(dtype="float32", loras=loras, swap_loras=True,
+                                                      mesh=make_mesh("data=2")))
+    single = build_pipeline(folder, InferenceOptions(dtype="float32", loras=loras, swap_loras=True))
+    requests = [GenerationRequest(prompt=p, seed=i, height=64, width=64, steps=1, loras=(("kohya", 0.25),))
+                for i, p in enumerate(["a cat", "a dog"])]
+    kwargs = dict(max_sequence_length=16)
+    first, _ = generate_batch(sharded, requests, lora_slots=sharded.lora_slots, **kwargs)
+    again, _ = generate_batch(sharded, [dataclasses.replace(r, loras=()) for r in requests],
+                              lora_slots=sharded.lora_slots, **kwargs)  # all off, then on again
+    expected, _ = generate_batch(single, requests, lora_slots=single.lora_slots, **kwargs)
+    off = np.asarray(again[0], np.float32)
+    assert np.abs(np.asarray(first[0], np.float32) - off).mean() > 0.5  # the weight changed the picture
+    for a, b in zip(first, expected, strict=True):
+        assert np.abs(np.asarray(a, np.float32) - np.asarray(b, np.float32)).max() <= 2.0
+
+
 # --------------------------------------------------------------------------------------------------------------------
 # FSDP training
 

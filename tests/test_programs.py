@@ -125,3 +125,17 @@ def test_programs_unused_for_a_month_are_pruned_when_the_store_next_writes(tmp_p
     with use_program_store(tmp_path):
         _power_plus(x, 1.0, power=5)  # a new program is written: the old one goes first
     assert not old.is_file() and len(list(tmp_path.glob("*.xla"))) == 1
+
+
+def test_a_store_that_cannot_be_written_still_runs_the_program_once_compiled(tmp_path, monkeypatch):
+    import mxdit.model.programs as programs
+
+    def full_disk(path, write):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(programs, "write_atomically", full_disk)
+    x = jnp.arange(4.0)
+    with use_program_store(tmp_path) as store:
+        a, b = _power_plus(x, 1.0, power=2), _power_plus(x, 2.0, power=2)
+    np.testing.assert_array_equal(b, a + 1)
+    assert store.stats.compiled == 1 and "not stored: [Errno 28]" in store.stats.failed_loads[0]

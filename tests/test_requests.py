@@ -28,6 +28,7 @@ TINY = ["--model", str(FIXTURES / "krea2" / "tiny_pipeline"), "--dtype", "fp32",
     ({"prompt": "a", "width": 8192}, "width: 8192 must be an integer between 64 and 4096"),
     ({"prompt": "a", "seed": -1}, "seed: -1 must be an integer"),
     ({"prompt": "a", "seed": 1.5}, "seed: 1.5 must be an integer"),
+    ({"prompt": "a", "seed": 2**32}, "seed: 4294967296 must be an integer between 0 and 4294967295"),
     ({"prompt": "a", "steps": True}, "steps: True must be an integer"),
     ({"prompt": "a", "guidance": -2}, "guidance: -2 must be a number >= 0"),
     ({"prompt": "a", "loras": ["style"]}, "loras: must be an object of LoRA names and weights"),
@@ -108,3 +109,14 @@ def test_prompts_arguments_exit_with_one_line(tmp_path, capsys):
             generate.parse_args(TINY + argv + ["--output", str(tmp_path / "o.png")])
         err = capsys.readouterr().err
         assert exit_.value.code == 2 and message in err and err.count("\n") == 1, err
+
+
+def test_prompts_with_fused_loras_run_lines_that_name_none(tmp_path, capsys):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"prompt": "a cat"}) + "\n" + json.dumps({"prompt": "a dog", "loras": {"kohya": 1}}))
+    lora = FIXTURES / "krea2" / "lora" / "kohya.safetensors"
+    code = generate.main(TINY + ["--prompts", str(prompts), "--lora", f"{lora}:0.5", "--fuse-lora",
+                                 "--output", str(tmp_path / "img.png")])
+    captured = capsys.readouterr()
+    assert code == 1 and (tmp_path / "img_1.png").is_file() and not (tmp_path / "img_2.png").exists()
+    assert "line 2: loras: the --lora files are fused" in captured.err

@@ -136,6 +136,10 @@ def test_serve_bad_arguments_exit_with_one_line(tmp_path, capsys):
     spec = importlib.util.spec_from_file_location("serve", Path(__file__).parent.parent / "scripts" / "serve.py")
     serve = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(serve)
+    lora = LORAS / "kohya.safetensors"
+    args = serve.parse_args(["--demo", "--lora", f"{lora}:0.7"])  # a request without loras runs them as given
+    assert args.defaults.loras == (("kohya", 0.7),) and args.defaults.prompt == ""
+    assert serve.parse_args(["--demo", "--lora", str(lora), "--fuse-lora"]).defaults.loras == ()
     for argv, message in [(["--max-batch", "0"], "--max-batch 0: must be >= 1"),
                           (["--height", "100"], "--height: 100 is not a multiple of 16"),
                           (["--output-dir", str(tmp_path / "missing")], "no such folder"),
