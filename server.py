@@ -38,7 +38,8 @@ class ServerConfig:
     """max_batch: images per pipeline call; min_batch: the smallest call (a mesh's data axis splits every batch);
     max_queue: requests waiting before 503; batch_wait_s: how long the oldest
     request waits for others of its batch key; keep_images: finished PNGs kept for GET; output_dir: also write each
-    PNG there (as <id>.png); the rest as generate.py's flags."""
+    PNG there (as <id>.png); sizes: the (height, width) a request may ask for (empty: any), so that no request makes
+    the worker compile a new shape while the others wait; the rest as generate.py's flags."""
 
     max_batch: int = 4
     min_batch: int = 1
@@ -49,6 +50,7 @@ class ServerConfig:
     tiled_decode: bool = False
     true_cfg: float = 1.0
     max_sequence_length: int | None = None
+    sizes: tuple[tuple[int, int], ...] = ()
 
 
 @dataclasses.dataclass
@@ -106,6 +108,9 @@ class GenerationServer:
         unknown = [name for name, _ in request.loras if name not in known]
         if unknown:
             raise ValueError(f"loras: {unknown[0]!r} is not loaded (loaded: {', '.join(known) or 'none'})")
+        if self.config.sizes and (request.height, request.width) not in self.config.sizes:
+            served = ", ".join(f"{h}x{w}" for h, w in self.config.sizes)
+            raise ValueError(f"height, width: {request.height}x{request.width} is not served (served: {served})")
         job = _Job(request, concurrent.futures.Future(), time.perf_counter())
         with self._cond:
             if self._stopped:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import sys
 from pathlib import Path
 
@@ -38,6 +39,9 @@ def build_parser() -> OneLineErrorParser:
     parser.add_argument("--true-cfg", type=float, default=1.0, help="FLUX.1: true CFG scale with a negative prompt")
     parser.add_argument("--max-sequence-length", type=int, default=None, help="text tokens (default: the model's)")
     parser.add_argument("--tiled-decode", action="store_true", help="decode the VAE in tiles (large images)")
+    parser.add_argument("--sizes", nargs="+", default=[], metavar="HxW",
+                        help="the only image sizes served, e.g. 1024x1024 768x1344 (default: any); with --warmup each "
+                             "is compiled before serving")
     parser.add_argument("--warmup", action="store_true",
                         help="compile (or load) the default request's programs for every batch size before serving")
     return parser
@@ -55,6 +59,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     if not 0 <= args.port <= 65535:
         parser.error(f"--port {args.port}: must be between 0 and 65535")
     args.min_batch = 1
+    try:
+        args.size_pairs = tuple((int(h), int(w)) for h, w in (text.lower().split("x") for text in args.sizes))
+    except ValueError:
+        parser.error(f"--sizes {' '.join(args.sizes)}: each size is HEIGHTxWIDTH, e.g. 1024x1024")
+    for h, w in args.size_pairs:
+        if h % 16 or w % 16 or not (64 <= h <= 4096 and 64 <= w <= 4096):
+            parser.error(f"--sizes {h}x{w}: sides must be multiples of 16 between 64 and 4096")
     if args.mesh is not None:
         from mxdit.sharding.mesh import parse_mesh
 
@@ -86,9 +97,10 @@ def main(argv=None) -> int:
     from mxdit.model.requests import generate_batch
     from mxdit.server import GenerationServer, ServerConfig, padded_batch_size
 
-    config = ServerConfig(max_batch=args.max_batch, min_batch=args.min_batch, max_queue=args.max_queue, batch_wait_s=args.batch_wait_ms / 1000,
-                          keep_images=args.keep_images, output_dir=args.output_dir, tiled_decode=args.tiled_decode,
-                          true_cfg=args.true_cfg, max_sequence_length=args.max_sequence_length)
+    config = ServerConfig(max_batch=args.max_batch, min_batch=args.min_batch, max_queue=args.max_queue,
+                          batch_wait_s=args.batch_wait_ms / 1000, keep_images=args.keep_images,
+                          output_dir=args.output_dir, tiled_decode=args.tiled_decode, true_cfg=args.true_cfg,
+                          max_sequence_length=args.max_sequence_length, sizes=args.size_pairs)
     with compile_caches(args.compile_cache) as store:
         try:
             options = inference_options(args, mesh_from_arguments(args), swap_loras=True)
@@ -97,12 +109,13 @@ def main(argv=None) -> int:
             print(f"serve.py: error: {e}", file=sys.stderr)
             return 2
         if args.warmup:
-            for size in sorted({padded_batch_size(n, args.max_batch, args.min_batch)
-                                for n in range(1, args.max_batch + 1)}):
-                warm = dataclasses.replace(args.defaults, prompt="warm-up")
+            shapes = args.size_pairs or ((args.defaults.height, args.defaults.width),)
+            for (height, width), size in itertools.product(shapes, sorted(
+                    {padded_batch_size(n, args.max_batch, args.min_batch) for n in range(1, args.max_batch + 1)})):
+                warm = dataclasses.replace(args.defaults, prompt="warm-up", height=height, width=width)
                 _, timings = generate_batch(pipe, [warm] * size, tiled_decode=args.tiled_decode,
                                             true_cfg=args.true_cfg, max_sequence_length=args.max_sequence_length)
-                print(f"warm-up: batch {size} in {timings['total']:.1f} s")
+                print(f"warm-up: {height}x{width}, batch {size} in {timings['total']:.1f} s")
         server = GenerationServer(pipe, config, args.defaults, program_store=store,
                                   model_name="demo" if args.demo else args.model.name)
         server.start()

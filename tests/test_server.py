@@ -43,7 +43,8 @@ def call(url: str, body=None) -> tuple[int, dict | bytes]:
 
 def test_generate_health_loras_and_bad_requests(pipe, tmp_path):
     store = ProgramStore(tmp_path / "executables")
-    running = RunningServer(GenerationServer(pipe, ServerConfig(max_batch=2, output_dir=tmp_path), DEFAULTS,
+    running = RunningServer(GenerationServer(pipe, ServerConfig(max_batch=2, output_dir=tmp_path, sizes=((64, 64),)),
+                                             DEFAULTS,
                                              program_store=store, model_name="tiny"))
     try:
         url = running.url
@@ -78,6 +79,7 @@ def test_generate_health_loras_and_bad_requests(pipe, tmp_path):
             ({"prompt": "a", "loras": {"missing": 1.0}}, "loras: 'missing' is not loaded (loaded: kohya, diffusers)"),
             ({"seed": 1}, "prompt: a non-empty string is required"),
             ({"prompt": "a", "output": "x.png"}, "output: not a server field"),
+            ({"prompt": "a", "height": 128}, "height, width: 128x64 is not served (served: 64x64)"),
         ]:
             status, error = call(f"{url}/v1/generate", body)
             assert status == 400 and message in error["error"], (body, error)
@@ -143,7 +145,9 @@ def test_serve_bad_arguments_exit_with_one_line(tmp_path, capsys):
     for argv, message in [(["--max-batch", "0"], "--max-batch 0: must be >= 1"),
                           (["--height", "100"], "--height: 100 is not a multiple of 16"),
                           (["--output-dir", str(tmp_path / "missing")], "no such folder"),
-                          (["--port", "70000"], "--port 70000: must be between 0 and 65535")]:
+                          (["--port", "70000"], "--port 70000: must be between 0 and 65535"),
+                          (["--sizes", "1024"], "--sizes 1024: each size is HEIGHTxWIDTH"),
+                          (["--sizes", "1024x1000"], "--sizes 1024x1000: sides must be multiples of 16")]:
         with pytest.raises(SystemExit) as exit_:
             serve.parse_args(["--demo"] + argv)
         err = capsys.readouterr().err
