@@ -29,13 +29,22 @@ def drop_page_cache() -> bool:
         return False
 
 
-def first_image(args) -> None:
+def model_folder(args) -> tuple[Path | None, list[dict]]:
+    """--model-folder, written first with random weights (`write_model`, in a subprocess) if it holds no model; and
+    the rows of that. None where it could not be written."""
     folder = Path(args.model_folder)
     rows = []
     if not (folder / "model_index.json").is_file():
-        rows += subprocess_rows(args, "first-image-write", ["--model-folder", str(folder)] + flags(args, "num_layers"))
+        rows = subprocess_rows(args, "first-image-write", ["--model-folder", str(folder)] + flags(args, "num_layers"))
     if not (folder / "model_index.json").is_file():
-        print("first-image: the model folder was not written:", rows[-1] if rows else "")
+        print(f"{args.command}: the model folder was not written:", rows[-1] if rows else "")
+        return None, rows
+    return folder, rows
+
+
+def first_image(args) -> None:
+    folder, rows = model_folder(args)
+    if folder is None:
         return write_json(args, rows)
     rows.append(emit(disk_read(folder / "transformer")))
     rows += subprocess_rows(args, "first-image-read", ["--model-folder", str(folder)])

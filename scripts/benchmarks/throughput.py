@@ -6,16 +6,14 @@ from __future__ import annotations
 
 import statistics
 import time
-from pathlib import Path
-
+from .first_image import model_folder
 from .rows import emit, error_text, flags, subprocess_rows, write_json
 
 
 def throughput(args) -> None:
-    folder = Path(args.model_folder)
-    rows = []
-    if not (folder / "model_index.json").is_file():
-        rows += subprocess_rows(args, "first-image-write", ["--model-folder", str(folder)] + flags(args, "num_layers"))
+    folder, rows = model_folder(args)
+    if folder is None:
+        return write_json(args, rows)
     forwarded = ["--model-folder", str(folder)] + flags(args, "batches", "height", "width", "steps", "repeats",
                                                         "prompt")
     if args.diffusers:
