@@ -75,11 +75,15 @@ class ProgramStore:
                 pass
         return removed
 
+    def _note(self, path: Path, problem: str) -> None:
+        with self._lock:
+            self.stats.failed_loads.append(f"{path.name}: {problem}")
+
     def summary(self) -> str:
         """One line, e.g. "executables: 4 loaded (0.3 s), 1 compiled and stored (2.1 s)"."""
         s = self.stats
         line = f"executables: {s.loaded} loaded ({s.load_s:.1f} s), {s.compiled} compiled and stored ({s.compile_s:.1f} s)"
-        return line + (f"; {len(s.failed_loads)} not loadable, compiled again: {s.failed_loads[0]}" if s.failed_loads else "")
+        return line + (f"; {len(s.failed_loads)} not loaded or not stored: {s.failed_loads[0]}" if s.failed_loads else "")
 
     def environment(self) -> str:
         """The part of every key that depends on the process, not on the call: versions, devices, flags, source."""
@@ -121,6 +125,7 @@ class ProgramStore:
             self.environment(), f"program {name}", f"static {sorted(static.items())!r}", f"tree {treedef}",
             *(f"{shape} {dtype} {weak} {sharding}" for shape, dtype, weak, sharding in signature)]).encode()).hexdigest()
         path = self.folder / f"{name.rsplit('.', 1)[-1]}-{key[:32]}{SUFFIX}"
+        in_tree = jax.tree.structure((tuple(dynamic), {}))  # as a compiled executable is called: no keyword arguments
         if path.is_file():
             t0 = time.perf_counter()
             try:
@@ -133,7 +138,6 @@ class ProgramStore:
                 from jax.experimental.serialize_executable import deserialize_and_load
 
                 _prepare_backend()
-                in_tree = jax.tree.structure((tuple(dynamic), {}))
                 program = deserialize_and_load(payload, in_tree, out_tree, execution_devices=[device])
                 with self._lock:
                     self.stats.loaded += 1
@@ -144,8 +148,7 @@ class ProgramStore:
                     pass
                 return program
             except Exception as e:  # a stale or damaged file: compiled again below and replaced
-                with self._lock:
-                    self.stats.failed_loads.append(f"{path.name}: {type(e).__name__}: {str(e)[:200]}")
+                self._note(path, f"{type(e).__name__}: {str(e)[:200]}")
         t0 = time.perf_counter()
         compiled = jitted.lower(*dynamic, **static).compile()
         if not _one_device(compiled):
@@ -158,13 +161,11 @@ class ProgramStore:
         try:
             payload, _, out_tree = serialize(compiled)
         except Exception as e:  # an executable the backend cannot serialize still runs in this process
-            with self._lock:
-                self.stats.failed_loads.append(f"{path.name}: not serializable: {type(e).__name__}: {str(e)[:200]}")
+            self._note(path, f"not serializable: {type(e).__name__}: {str(e)[:200]}")
             return compiled
         (device,) = {d for sharding in jax.tree.leaves(compiled.input_shardings) for d in sharding.device_set}
-        if device.platform == "cpu" and not _runs_when_loaded(payload, out_tree, device, dynamic):
-            with self._lock:
-                self.stats.failed_loads.append(f"{path.name}: not stored: its executable does not run when loaded")
+        if device.platform == "cpu" and not _runs_when_loaded(payload, in_tree, out_tree, device, dynamic):
+            self._note(path, "not stored: its executable does not run when loaded")
             return compiled
         try:
             self.folder.mkdir(parents=True, exist_ok=True)
@@ -173,8 +174,7 @@ class ProgramStore:
                 self.prune()
             write_atomically(path, lambda tmp: tmp.write_bytes(pickle.dumps((FORMAT, out_tree, payload, device.id))))
         except OSError as e:  # a full disk or a read-only store: the program still runs in this process
-            with self._lock:
-                self.stats.failed_loads.append(f"{path.name}: not stored: {e}")
+            self._note(path, f"not stored: {e}")
         return compiled
 
 
@@ -187,15 +187,14 @@ def _one_device(program) -> bool:
     return all(len(sharding.device_set) == 1 for sharding in jax.tree.leaves(program.input_shardings))
 
 
-def _runs_when_loaded(payload: bytes, out_tree, device, dynamic: Sequence) -> bool:
+def _runs_when_loaded(payload: bytes, in_tree, out_tree, device, dynamic: Sequence) -> bool:
     """Whether the serialized executable loads and runs. XLA:CPU can compile a program that calls kernels an earlier
     program of the process compiled, which its serialized form then lacks ("Function ... not found" when run): such a
     file is not kept. Run once on the call's arguments, on the CPU only, where the programs are small."""
     from jax.experimental.serialize_executable import deserialize_and_load
 
     try:
-        program = deserialize_and_load(payload, jax.tree.structure((tuple(dynamic), {})), out_tree,
-                                       execution_devices=[device])
+        program = deserialize_and_load(payload, in_tree, out_tree, execution_devices=[device])
         jax.block_until_ready(program(*dynamic))
         return True
     except Exception:

@@ -33,7 +33,6 @@ from typing import NamedTuple
 
 from mxdit.cli import (OneLineErrorParser, add_model_arguments, check_model_arguments, compile_caches, inference_options,
                        mesh_from_arguments)
-
 from mxdit.model.requests import MAX_SIDE, MIN_SIDE, MULTIPLE
 
 
@@ -267,10 +266,15 @@ def generate(args: argparse.Namespace, started: float) -> int:
     # what the pipeline's stages leave out: noise, schedule, the progress bar
     stages["other"] = generated - loaded - sum(pipeline_stages.values())
     stages["write"] = done - generated
-    print(f"\n{'stage':<14}{'seconds':>9}")
-    for stage, seconds in {**stages, "total": done - started}.items():
-        print(f"{stage:<14}{seconds:9.3f}")
+    print_stages({**stages, "total": done - started})
     return 0
+
+
+def print_stages(stages: dict[str, float]) -> None:
+    """The stage table: seconds per stage, the total last."""
+    print(f"\n{'stage':<14}{'seconds':>9}")
+    for stage, seconds in stages.items():
+        print(f"{stage:<14}{seconds:9.3f}")
 
 
 def generate_jobs(args: argparse.Namespace, pipe, stages: dict[str, float], started: float) -> int:
@@ -316,10 +320,7 @@ def generate_jobs(args: argparse.Namespace, pipe, stages: dict[str, float], star
     print(f"wrote {written} images to {args.output.parent} in {done - t0:.1f} s ({written / (done - t0):.2f} images/s)")
     if failed:
         print(f"generate.py: {len(failed)} lines failed: {', '.join(map(str, sorted(failed)))}", file=sys.stderr)
-    print(f"\n{'stage':<14}{'seconds':>9}")
-    for stage, seconds in {**stages, **{k: v for k, v in totals.items() if k != "total"},
-                           "total": done - started}.items():
-        print(f"{stage:<14}{seconds:9.3f}")
+    print_stages({**stages, **{k: v for k, v in totals.items() if k != "total"}, "total": done - started})
     return 1 if failed else 0
 
 

@@ -48,7 +48,7 @@ def build_parser() -> OneLineErrorParser:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    from mxdit.model.requests import GenerationRequest, parse_request
+    from mxdit.model.requests import MAX_SIDE, MIN_SIDE, MULTIPLE, GenerationRequest, parse_request
 
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -64,8 +64,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     except ValueError:
         parser.error(f"--sizes {' '.join(args.sizes)}: each size is HEIGHTxWIDTH, e.g. 1024x1024")
     for h, w in args.size_pairs:
-        if h % 16 or w % 16 or not (64 <= h <= 4096 and 64 <= w <= 4096):
-            parser.error(f"--sizes {h}x{w}: sides must be multiples of 16 between 64 and 4096")
+        if h % MULTIPLE or w % MULTIPLE or not (MIN_SIDE <= h <= MAX_SIDE and MIN_SIDE <= w <= MAX_SIDE):
+            parser.error(f"--sizes {h}x{w}: sides must be multiples of {MULTIPLE} between {MIN_SIDE} and {MAX_SIDE}")
     if args.mesh is not None:
         from mxdit.sharding.mesh import parse_mesh
 
