@@ -56,6 +56,8 @@ COMMANDS = {
     "attention-torch": diffusers_side.torch_attention, "qk-prologue": attention.qk_prologue,
 }
 
+# The released tokenizers beside the repository (../shared/tokenizers)
+SHARED_TOKENIZERS = Path(__file__).resolve().parents[2] / "shared" / "tokenizers"
 # The models' own lists of names, for choices=
 PRECISION_CHOICES = tuple(p.value for p in Precision)
 ATTENTION_CHOICES = tuple(a.value for a in AttentionKernel)
@@ -181,31 +183,34 @@ def _add_pipeline_commands(sub) -> None:
         _json_argument(p)
     for name in ("first-image", "first-image-write", "first-image-read", "first-image-diffusers"):
         p = sub.add_parser(name, help=_help(name, "first-image", "process start to the PNG, ours and diffusers'"))
-        p.add_argument("--model-folder", default="/tmp/mxdit-first-image/krea2-turbo",
-                       help="the Krea 2 Turbo folder read by both sides (written with random weights if missing)")
-        _image_arguments(p)
-        p.add_argument("--steps", type=int, default=8)
-        p.add_argument("--prompt", default="a red fox in the snow, photo")
-        p.add_argument("--num-layers", type=int, default=None, help="fewer transformer blocks, for a quick smoke run")
-        p.add_argument("--precision", default="fp8", choices=PRECISION_CHOICES)
-        p.add_argument("--attention", default="int8_mosaic_fp8", choices=ATTENTION_CHOICES)
-        p.add_argument("--no-diffusers", dest="diffusers", action="store_false")
+        _benchmark_model_arguments(p)
         p.add_argument("--output", default=None, help="the diffusers half's PNG")
-        _json_argument(p)
     for name in ("throughput", "throughput-jax", "throughput-diffusers"):
         p = sub.add_parser(name, help=_help(name, "throughput", "warm images per second by batch size"))
-        p.add_argument("--model-folder", default="/tmp/mxdit-first-image/krea2-turbo",
-                       help="the Krea 2 Turbo folder read by both sides (written with random weights if missing)")
+        _benchmark_model_arguments(p)
         p.add_argument("--batches", nargs="+", type=int, default=[1, 4, 16])
-        _image_arguments(p)
-        p.add_argument("--steps", type=int, default=8)
         p.add_argument("--repeats", type=int, default=2, help="timed calls per batch size after the first")
-        p.add_argument("--prompt", default="a red fox in the snow, photo")
-        p.add_argument("--num-layers", type=int, default=None, help="fewer transformer blocks, for a quick smoke run")
-        p.add_argument("--precision", default="fp8", choices=PRECISION_CHOICES)
-        p.add_argument("--attention", default="int8_mosaic_fp8", choices=ATTENTION_CHOICES)
-        p.add_argument("--no-diffusers", dest="diffusers", action="store_false")
-        _json_argument(p)
+
+
+def _benchmark_model_arguments(p: argparse.ArgumentParser) -> None:
+    """first-image's and throughput's: a model folder of random full-size weights (written if missing) and the
+    image settings, which default to the model's own."""
+    p.add_argument("--model", default="krea2-turbo", choices=tuple(first_image.MODELS))
+    p.add_argument("--model-folder", default=None,
+                   help="the folder read by both sides, written with random weights if it holds no model "
+                        "(default: mxdit-first-image/MODEL in the temporary folder)")
+    p.add_argument("--height", type=int, default=None)
+    p.add_argument("--width", type=int, default=None)
+    p.add_argument("--steps", type=int, default=None)
+    p.add_argument("--guidance", type=float, default=None)
+    p.add_argument("--prompt", default="a red fox in the snow, photo")
+    p.add_argument("--num-layers", type=int, default=None, help="fewer transformer blocks, for a quick smoke run")
+    p.add_argument("--tokenizers", default=str(SHARED_TOKENIZERS),
+                   help="FLUX.1's folder writer: the released CLIP and T5 tokenizers (clip/ and t5/ in it)")
+    p.add_argument("--precision", default="fp8", choices=PRECISION_CHOICES)
+    p.add_argument("--attention", default="int8_mosaic_fp8", choices=ATTENTION_CHOICES)
+    p.add_argument("--no-diffusers", dest="diffusers", action="store_false")
+    _json_argument(p)
 
 
 def _add_flux_and_vae_commands(sub) -> None:
@@ -298,6 +303,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> None:
     args = build_parser().parse_args(argv)
+    if args.command.startswith(("first-image", "throughput")):
+        first_image.model_settings(args)
     COMMANDS[args.command](args)
 
 

@@ -177,6 +177,40 @@ def _krea2_pipeline(args):
     return pipe
 
 
+def _flux_dev_pipeline(args):
+    """diffusers' FluxPipeline of random full-size bf16 weights (FLUX.1-dev: the transformer with its guidance
+    embedding, CLIP ViT-L/14's text tower, T5-XXL's encoder, the VAE, dev's scheduler) and the released CLIP and T5
+    tokenizers from --tokenizers. With --num-layers, that many blocks of each kind and T5 layers (a smoke run)."""
+    from pathlib import Path
+
+    import torch
+    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
+    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer, T5Config, T5EncoderModel, T5TokenizerFast
+
+    # diffusers' defaults are FLUX.1's sizes; dev adds the guidance embedding
+    blocks = dict(num_layers=args.num_layers, num_single_layers=args.num_layers) if args.num_layers else {}
+    t5_layers = args.num_layers or 24
+    torch.manual_seed(0)
+    torch.set_default_dtype(torch.bfloat16)
+    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
+        transformer = FluxTransformer2DModel(guidance_embeds=True, **blocks).eval()
+        clip = CLIPTextModel(CLIPTextConfig(hidden_size=768, intermediate_size=3072, num_attention_heads=12,
+                                            num_hidden_layers=12, projection_dim=768, hidden_act="quick_gelu",
+                                            bos_token_id=0, eos_token_id=2, pad_token_id=1)).eval()
+        t5 = T5EncoderModel(T5Config(d_model=4096, d_kv=64, d_ff=10240, num_layers=t5_layers, num_heads=64,
+                                     feed_forward_proj="gated-gelu", tie_word_embeddings=False)).eval()
+        vae = AutoencoderKL(**FLUX_VAE, scaling_factor=0.3611, shift_factor=0.1159).eval()
+    torch.set_default_dtype(torch.float32)
+    tokenizers = Path(args.tokenizers)
+    scheduler = FlowMatchEulerDiscreteScheduler(shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15,
+                                                base_image_seq_len=256, max_image_seq_len=4096)
+    pipe = FluxPipeline(scheduler=scheduler, vae=vae, text_encoder=clip,
+                        tokenizer=CLIPTokenizer.from_pretrained(tokenizers / "clip"), text_encoder_2=t5,
+                        tokenizer_2=T5TokenizerFast.from_pretrained(tokenizers / "t5"), transformer=transformer)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
 def diffusers_krea2_pipeline(args) -> list[dict]:
     """diffusers' Krea 2 Turbo pipeline, a cold run and --repeats warm ones: the text encoding alone, the pipeline
     to latents, and to images (the parts' times are their differences)."""

@@ -1,5 +1,5 @@
-"""Time to the first image: a new process from its start to the PNG on disk, with a Krea 2 Turbo folder of random
-full-size weights on local disk (written by diffusers' `save_pretrained`, so that both sides read the same files).
+"""Time to the first image: a new process from its start to the PNG on disk, with a model folder (Krea 2 Turbo or
+FLUX.1-dev) of random full-size weights on local disk (written by diffusers' `save_pretrained`, so that both sides read the same files).
 Ours starts twice, the second time from the first one's compile caches (generate.py --compile-cache: XLA's cache
 and the serialized executables); diffusers' eager pipeline starts once. Beside them: the disk's read speed (dd) and
 our read of the transformer's weights into device memory, each after the page cache is dropped where the machine
@@ -7,6 +7,7 @@ lets us."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -17,6 +18,50 @@ from pathlib import Path
 from .rows import CLI, emit, error_text, flags, subprocess_rows, write_json
 
 GENERATE = CLI.parent / "generate.py"
+
+
+@dataclasses.dataclass(frozen=True)
+class BenchmarkModel:
+    """A model the first-image and throughput benchmarks run: its image size, steps and guidance (the settings its
+    users run; FLUX.1-dev's are the AMD Quark seed's), diffusers' pipeline class and the function of
+    `diffusers_side` that builds that pipeline with random full-size weights."""
+
+    title: str
+    height: int
+    width: int
+    steps: int
+    guidance: float
+    pipeline: str
+    random_pipeline: str
+
+
+MODELS = {
+    "krea2-turbo": BenchmarkModel("Krea 2 Turbo", 1024, 1024, 8, 0.0, "Krea2Pipeline", "_krea2_pipeline"),
+    "flux-dev": BenchmarkModel("FLUX.1-dev", 768, 1024, 20, 3.5, "FluxPipeline", "_flux_dev_pipeline"),
+}
+
+
+def model_settings(args) -> BenchmarkModel:
+    """--model's settings; the size, steps, guidance and folder not given on the command line set from them."""
+    spec = MODELS[args.model]
+    for name in ("height", "width", "steps", "guidance"):
+        if getattr(args, name) is None:
+            setattr(args, name, getattr(spec, name))
+    if args.model_folder is None:
+        args.model_folder = str(Path(tempfile.gettempdir()) / "mxdit-first-image" / args.model)
+    return spec
+
+
+def diffusers_pipeline(args):
+    """diffusers' pipeline of --model from --model-folder in bf16 on the GPU (the CPU: a smoke run)."""
+    import diffusers
+    import torch
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    pipe = getattr(diffusers, MODELS[args.model].pipeline).from_pretrained(args.model_folder,
+                                                                          torch_dtype=torch.bfloat16).to(device)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe, device
 
 
 def drop_page_cache() -> bool:
@@ -32,10 +77,12 @@ def drop_page_cache() -> bool:
 def model_folder(args) -> tuple[Path | None, list[dict]]:
     """--model-folder, written first with random weights (`write_model`, in a subprocess) if it holds no model; and
     the rows of that. None where it could not be written."""
+    model_settings(args)
     folder = Path(args.model_folder)
     rows = []
     if not (folder / "model_index.json").is_file():
-        rows = subprocess_rows(args, "first-image-write", ["--model-folder", str(folder)] + flags(args, "num_layers"))
+        rows = subprocess_rows(args, "first-image-write", ["--model-folder", str(folder)]
+                               + flags(args, "model", "num_layers", "tokenizers"))
     if not (folder / "model_index.json").is_file():
         print(f"{args.command}: the model folder was not written:", rows[-1] if rows else "")
         return None, rows
@@ -46,10 +93,12 @@ def first_image(args) -> None:
     folder, rows = model_folder(args)
     if folder is None:
         return write_json(args, rows)
+    spec = MODELS[args.model]
     rows.append(emit(disk_read(folder / "transformer")))
-    rows += subprocess_rows(args, "first-image-read", ["--model-folder", str(folder)])
-    common = ["--model", str(folder), "--prompt", args.prompt, "--steps", str(args.steps), "--guidance", "0",
-              "--height", str(args.height), "--width", str(args.width), "--overwrite"]
+    rows += subprocess_rows(args, "first-image-read", ["--model-folder", str(folder), "--model", args.model])
+    settings = ["--prompt", args.prompt, "--steps", str(args.steps), "--guidance", str(args.guidance), "--height",
+                str(args.height), "--width", str(args.width)]
+    common = ["--model", str(folder), *settings, "--overwrite"]
     with tempfile.TemporaryDirectory(prefix="mxdit-first-image-") as work:
         work = Path(work)
         ours = common + ["--precision", args.precision, "--attention", args.attention, "--compile-cache",
@@ -59,10 +108,9 @@ def first_image(args) -> None:
                                          ours, work / f"mxdit_{start}.png")))
         if args.diffusers:
             rows.append(emit(timed_start("diffusers eager bf16", [sys.executable, str(CLI), "first-image-diffusers",
-                                                                   "--model-folder", str(folder)],
-                                         ["--prompt", args.prompt, "--steps", str(args.steps), "--height",
-                                          str(args.height), "--width", str(args.width)], work / "diffusers.png")))
-    print(f"\nTime to the first image: Krea 2 Turbo, {args.height}x{args.width}, {args.steps} steps, random full-size "
+                                                                   "--model-folder", str(folder), "--model",
+                                                                   args.model], settings, work / "diffusers.png")))
+    print(f"\nTime to the first image: {spec.title}, {args.height}x{args.width}, {args.steps} steps, random full-size "
           f"weights read from {folder}")
     for r in rows:
         if "error" in r:
@@ -125,8 +173,10 @@ def jax_read(args) -> list[dict]:
     import jax.numpy as jnp
     from flax import nnx
 
+    from mxdit.model.flux import FluxTransformer
     from mxdit.model.krea2 import Krea2Transformer
 
+    model_class = {"krea2-turbo": Krea2Transformer, "flux-dev": FluxTransformer}[args.model]
     folder = Path(args.model_folder) / "transformer"
     gb = sum(f.stat().st_size for f in folder.glob("*.safetensors")) / 1e9
     jax.block_until_ready(jnp.zeros(1))  # the backend's start is not the read
@@ -134,7 +184,7 @@ def jax_read(args) -> list[dict]:
     for label in ("from disk", "from the page cache"):
         dropped = drop_page_cache() if label == "from disk" else False
         start = time.perf_counter()
-        model = Krea2Transformer.from_pretrained(folder, jnp.bfloat16)
+        model = model_class.from_pretrained(folder, jnp.bfloat16)
         jax.block_until_ready(nnx.state(model))
         seconds = time.perf_counter() - start
         rows.append(emit({"name": f"mxdit transformer read, {label}", "gb": gb, "seconds": seconds,
@@ -144,11 +194,11 @@ def jax_read(args) -> list[dict]:
 
 
 def write_model(args) -> list[dict]:
-    """A Krea 2 Turbo folder of random full-size bf16 weights, written by diffusers (its layout, its files)."""
-    from .diffusers_side import _krea2_pipeline
+    """A folder of --model with random full-size bf16 weights, written by diffusers (its layout, its files)."""
+    from . import diffusers_side
 
     start = time.perf_counter()
-    pipe = _krea2_pipeline(args)
+    pipe = getattr(diffusers_side, MODELS[args.model].random_pipeline)(args)
     pipe.save_pretrained(args.model_folder)
     return [emit({"name": "model folder written", "seconds": time.perf_counter() - start})]
 
@@ -157,19 +207,20 @@ def diffusers_first_image(args) -> list[dict]:
     """diffusers' eager pipeline in a new process: import, from_pretrained to the GPU, one image, the PNG."""
     start = time.perf_counter()
     try:
+        import importlib
+
         import torch
-        from diffusers import Krea2Pipeline
+
+        importlib.import_module("diffusers")  # its import is part of the start
 
         imported = time.perf_counter()
-        device = "cuda" if torch.cuda.is_available() else "cpu"  # a CPU: the smoke run of the path
-        pipe = Krea2Pipeline.from_pretrained(args.model_folder, torch_dtype=torch.bfloat16).to(device)
-        pipe.set_progress_bar_config(disable=True)
+        pipe, device = diffusers_pipeline(args)
         if device == "cuda":
             torch.cuda.synchronize()
         loaded = time.perf_counter()
         with torch.inference_mode():
             image = pipe(args.prompt, height=args.height, width=args.width, num_inference_steps=args.steps,
-                         guidance_scale=0.0).images[0]
+                         guidance_scale=args.guidance).images[0]
         generated = time.perf_counter()
         image.save(args.output)
         done = time.perf_counter()

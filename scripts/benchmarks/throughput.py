@@ -1,12 +1,12 @@
 """Images per second of a warm process at several batch sizes: ours (`model.requests.generate_batch`, as
-generate.py --prompts and the server run batches) and diffusers' eager pipeline, on the same Krea 2 Turbo folder of
-random full-size weights that `first-image` writes, each in its own process."""
+generate.py --prompts and the server run batches) and diffusers' eager pipeline, on the same folder of random
+full-size weights (Krea 2 Turbo or FLUX.1-dev) that `first-image` writes, each in its own process."""
 
 from __future__ import annotations
 
 import statistics
 import time
-from .first_image import model_folder
+from .first_image import MODELS, diffusers_pipeline, model_folder
 from .rows import emit, error_text, flags, subprocess_rows, write_json
 
 
@@ -14,13 +14,13 @@ def throughput(args) -> None:
     folder, rows = model_folder(args)
     if folder is None:
         return write_json(args, rows)
-    forwarded = ["--model-folder", str(folder)] + flags(args, "batches", "height", "width", "steps", "repeats",
-                                                        "prompt")
+    forwarded = ["--model-folder", str(folder)] + flags(args, "model", "batches", "height", "width", "steps",
+                                                        "guidance", "repeats", "prompt")
     if args.diffusers:
         rows += subprocess_rows(args, "throughput-diffusers", forwarded)
     rows += subprocess_rows(args, "throughput-jax", forwarded + flags(args, "precision", "attention"))
-    print(f"\nImages per second, warm: Krea 2 Turbo {args.height}x{args.width}, {args.steps} steps, random full-size "
-          f"weights from {folder}")
+    print(f"\nImages per second, warm: {MODELS[args.model].title} {args.height}x{args.width}, {args.steps} steps, "
+          f"guidance {args.guidance}, random full-size weights from {folder}")
     for r in rows:
         if "error" in r:
             print(f"{r.get('name', '?'):<40} error: {r['error']}")
@@ -60,7 +60,7 @@ def jax_throughput(args) -> list[dict]:
 
     def run(batch: int):
         requests = [GenerationRequest(prompt=f"{args.prompt}, {i}", seed=i, height=args.height, width=args.width,
-                                      steps=args.steps, guidance=0.0) for i in range(batch)]
+                                      steps=args.steps, guidance=args.guidance) for i in range(batch)]
         images, _ = generate_batch(pipe, requests)
         assert len(images) == batch
 
@@ -68,21 +68,20 @@ def jax_throughput(args) -> list[dict]:
 
 
 def diffusers_throughput(args) -> list[dict]:
-    """diffusers' eager pipeline in bf16, a batch of distinct prompts a call, decoded to PIL images."""
+    """diffusers' eager pipeline in bf16, a batch of distinct prompts a call, decoded to PIL images. Its VAE decodes
+    a batch one image at a time (`enable_slicing`, diffusers' advice for large batches; the images are the same)."""
     import torch
-    from diffusers import Krea2Pipeline
 
-    device = "cuda" if torch.cuda.is_available() else "cpu"  # a CPU: the smoke run of the path
-    pipe = Krea2Pipeline.from_pretrained(args.model_folder, torch_dtype=torch.bfloat16).to(device)
-    pipe.set_progress_bar_config(disable=True)
+    pipe, device = diffusers_pipeline(args)
+    pipe.vae.enable_slicing()
 
     def run(batch: int):
         with torch.inference_mode():
             images = pipe([f"{args.prompt}, {i}" for i in range(batch)], height=args.height, width=args.width,
-                          num_inference_steps=args.steps, guidance_scale=0.0,
+                          num_inference_steps=args.steps, guidance_scale=args.guidance,
                           generator=[torch.Generator(device).manual_seed(i) for i in range(batch)]).images
         if device == "cuda":
             torch.cuda.synchronize()
         assert len(images) == batch
 
-    return _timed_batches("diffusers eager bf16", run, args)
+    return _timed_batches("diffusers eager bf16, VAE slicing", run, args)
