@@ -52,6 +52,10 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--compile-cache", type=Path, default=default_compile_cache(),
                         help="compiled programs kept between runs, so that a second start skips tracing and "
                              "compiling ('' : off; default: $XDG_CACHE_HOME/mxdit/jax, or ~/.cache/mxdit/jax)")
+    parser.add_argument("--compile-ahead", action="store_true",
+                        help="compile the programs of the first run (generate.py) or of the warm-up (serve.py) "
+                             "first, concurrently, from a dry run of the pipeline (with --compile-cache, without "
+                             "--mesh); default: each when first needed")
     add_device_arguments(parser, "Krea 2 on several devices, e.g. data=2,seq=4,cfg=2 (axes data, cfg, seq, fsdp; "
                                  "default: one device)")
     parser.add_argument("--sequence-attention", choices=["ulysses", "ring"], default=None,

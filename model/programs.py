@@ -6,6 +6,11 @@ pipelines' programs; inside `use_program_store(folder)` its first call of a shap
 an earlier process serialized into `folder` (`jax.experimental.serialize_executable`), or lowers and compiles it and
 writes it there. Outside a store it is plain `jax.jit`.
 
+A first start compiles the stages of a pipeline concurrently: in `ProgramStore.ahead()` a stored program's first call
+of a shape does not run. It is lowered in the calling thread, compiled on a pool of threads (or loaded from disk),
+and returns zeros of its outputs' shapes, so that a dry run of the pipeline (`compile_ahead`) reaches every program
+while the earlier ones compile. The real call that follows waits for each program as it needs it.
+
 A stored program is keyed by everything that decides what it computes and where it runs: the function's name, its
 static arguments, the inputs' tree structure (which holds a module's config, dtype, attention kernel and
 precision: their static fields) with each leaf's shape, dtype and sharding, the jax and jaxlib versions, the backend
@@ -27,9 +32,11 @@ import pickle
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import jax
+import numpy as np
 
 from .loading import write_atomically
 
@@ -61,6 +68,20 @@ class ProgramStore:
         self._program_locks: dict = {}  # one per program: two threads never compile the same one, others go on
         self._environment: str | None = None
         self._pruned = False
+        self._outputs: dict = {}  # a compiling program's output shapes, for the zeros it returns ahead
+        self._pool: ThreadPoolExecutor | None = None
+
+    @contextlib.contextmanager
+    def ahead(self) -> Iterator[ProgramStore]:
+        """Within the block, in this thread, a program's first call of a shape is lowered here and compiled on the
+        store's threads (or loaded) and returns zeros shaped as its outputs; its later calls return zeros too. Only
+        for a dry run whose results are thrown away: after the block, the same calls run the compiled programs."""
+        previous = getattr(_active, "ahead", False)
+        _active.ahead = True
+        try:
+            yield self
+        finally:
+            _active.ahead = previous
 
     def prune(self, unused_days: float = UNUSED_DAYS) -> int:
         """Delete the stored programs not loaded or written for `unused_days` (another jax, another version of this
@@ -105,6 +126,7 @@ class ProgramStore:
         leaves, treedef = jax.tree.flatten(tuple(dynamic))
         if any(isinstance(leaf, jax.core.Tracer) for leaf in leaves):  # inside another program's trace
             return jitted(*dynamic, **static)
+        ahead = getattr(_active, "ahead", False)
         signature = tuple(_leaf_signature(leaf) for leaf in leaves)
         memo = (name, treedef, signature, tuple(sorted(static.items())))
         program = self._programs.get(memo)
@@ -114,13 +136,23 @@ class ProgramStore:
             with program_lock:
                 program = self._programs.get(memo)
                 if program is None:
-                    program = self._load_or_compile(name, jitted, dynamic, static, treedef, signature)
+                    program = self._load_or_compile(name, jitted, dynamic, static, treedef, signature, ahead)
                     self._programs[memo] = program
+        if ahead:
+            return _zeros(self._outputs[memo] if memo in self._outputs else _output_shapes(program, jitted, dynamic,
+                                                                                            static), leaves)
+        if isinstance(program, Future):  # compiling ahead: wait for it
+            try:
+                program = program.result()
+            except Exception:  # as a compile that fails in the call: raised here, tried again by the next call
+                self._programs.pop(memo, None)
+                raise
+            self._programs[memo] = program
         if program is _ON_DEVICES:
             return jitted(*dynamic, **static)
         return program(*dynamic)
 
-    def _load_or_compile(self, name, jitted, dynamic, static, treedef, signature):
+    def _load_or_compile(self, name, jitted, dynamic, static, treedef, signature, ahead: bool = False):
         key = hashlib.sha256("\n".join([
             self.environment(), f"program {name}", f"static {sorted(static.items())!r}", f"tree {treedef}",
             *(f"{shape} {dtype} {weak} {sharding}" for shape, dtype, weak, sharding in signature)]).encode()).hexdigest()
@@ -150,7 +182,20 @@ class ProgramStore:
             except Exception as e:  # a stale or damaged file: compiled again below and replaced
                 self._note(path, f"{type(e).__name__}: {str(e)[:200]}")
         t0 = time.perf_counter()
-        compiled = jitted.lower(*dynamic, **static).compile()
+        lowered = jitted.lower(*dynamic, **static)
+        if ahead:  # lowered here, compiled there: the caller goes on to the next program meanwhile
+            memo = (name, treedef, signature, tuple(sorted(static.items())))
+            self._outputs[memo] = lowered.out_info
+            with self._lock:
+                if self._pool is None:
+                    self._pool = ThreadPoolExecutor(max(1, min(8, os.cpu_count() or 1)),
+                                                    thread_name_prefix="mxdit-compile")
+            return self._pool.submit(self._compile, lowered, path, in_tree, dynamic, t0)
+        return self._compile(lowered, path, in_tree, dynamic, t0)
+
+    def _compile(self, lowered, path: Path, in_tree, dynamic: Sequence, t0: float):
+        """Compile `lowered` and write its executable to `path`; the executable (or `_ON_DEVICES`)."""
+        compiled = lowered.compile()
         if not _one_device(compiled):
             return _ON_DEVICES
         with self._lock:
@@ -181,6 +226,27 @@ class ProgramStore:
 # A program that runs on several devices (a mesh's, from its arguments or from a mesh context): `jax.jit` serves it,
 # since jax.jit moves the arguments it is given onto the program's devices and a compiled executable does not.
 _ON_DEVICES = object()
+
+
+def _output_shapes(program, jitted, dynamic: Sequence, static: dict):
+    """A compiled or loaded program's output shapes; a multi-device one's by tracing."""
+    if program is _ON_DEVICES:
+        return jax.eval_shape(functools.partial(jitted, **static), *dynamic)
+    return program.out_info
+
+
+def _zeros(shapes, inputs: Sequence):
+    """Zeros of `shapes` (a tree of ShapeDtypeStruct), on the one device of `inputs` when they have one, so that the
+    programs a dry run calls next see the arguments (and their placement) of the real run."""
+    devices = {d for leaf in inputs if isinstance(leaf, jax.Array) for d in leaf.sharding.device_set}
+
+    def zeros(shape):
+        sharding = getattr(shape, "sharding", None)
+        if sharding is None and len(devices) == 1:
+            sharding = next(iter(devices))
+        return jax.device_put(np.zeros(shape.shape, shape.dtype), sharding)
+
+    return jax.tree.map(zeros, shapes)
 
 
 def _one_device(program) -> bool:
@@ -251,6 +317,19 @@ def use_program_store(store: ProgramStore | str | Path | None) -> Iterator[Progr
         yield store
     finally:
         _active.store = previous
+
+
+def compile_ahead(dry_run: Callable[[], object]) -> float:
+    """Call `dry_run` (a pipeline call whose results are thrown away) in the active store's `ahead` mode: its
+    programs are lowered one after another and compile concurrently. Returns its seconds. Without a store nothing is
+    called (the dry run would compute for real)."""
+    store = active_store()
+    if store is None:
+        return 0.0
+    t0 = time.perf_counter()
+    with store.ahead():
+        dry_run()
+    return time.perf_counter() - t0
 
 
 class StoredJit:

@@ -26,6 +26,7 @@ others go on; the exit status is then 1.
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 import time
 from pathlib import Path
@@ -205,6 +206,7 @@ def generate(args: argparse.Namespace, started: float) -> int:
     from mxdit.model.inference import build_pipeline
     from mxdit.model.loading import CheckpointError
     from mxdit.model.pipeline_flux import FluxPipeline
+    from mxdit.model.programs import compile_ahead
 
     for line, error in args.bad_lines:  # before the model loads: the user sees them at once
         print(f"generate.py: --prompts {args.prompts} line {line}: {error}", file=sys.stderr)
@@ -236,6 +238,9 @@ def generate(args: argparse.Namespace, started: float) -> int:
         else dict(guidance_scale=args.guidance)
     if args.max_sequence_length:
         options["max_sequence_length"] = args.max_sequence_length
+    call = functools.partial(pipe, args.prompt, args.negative_prompt, height=args.height, width=args.width,
+                             num_inference_steps=steps, num_images_per_prompt=args.num_images, seed=args.seed,
+                             tiled_decode=args.tiled_decode, **options)
     with tqdm(total=steps, desc="denoise", unit="step", disable=not args.progress) as bar:
         def on_step(i, t, latents):
             jax.block_until_ready(latents)  # so the bar moves with the device, not with dispatch
@@ -244,10 +249,11 @@ def generate(args: argparse.Namespace, started: float) -> int:
         if not args.progress:
             print(f"denoising: {steps} steps")
         try:
+            if args.compile_ahead and args.mesh is None:
+                stages["compile ahead"] = compile_ahead(
+                    lambda: call(callback=(lambda *_: None) if args.progress else None))
             # Without a per-step callback the pipelines run all steps as one program (no host round trip).
-            out = pipe(args.prompt, args.negative_prompt, height=args.height, width=args.width, num_inference_steps=steps,
-                       num_images_per_prompt=args.num_images, seed=args.seed,
-                       callback=on_step if args.progress else None, tiled_decode=args.tiled_decode, **options)
+            out = call(callback=on_step if args.progress else None)
         except ValueError as e:
             print(f"generate.py: error: {e}", file=sys.stderr)
             return 2
@@ -262,9 +268,10 @@ def generate(args: argparse.Namespace, started: float) -> int:
         print(f"wrote {path} ({image.width}x{image.height})")
     done = time.perf_counter()
     pipeline_stages = {k: v for k, v in out.timings.items() if k != "total"}
-    stages.update(pipeline_stages)
     # what the pipeline's stages leave out: noise, schedule, the progress bar
-    stages["other"] = generated - loaded - sum(pipeline_stages.values())
+    other = generated - loaded - stages.get("compile ahead", 0.0) - sum(pipeline_stages.values())
+    stages.update(pipeline_stages)
+    stages["other"] = other
     stages["write"] = done - generated
     print_stages({**stages, "total": done - started})
     return 0
@@ -284,6 +291,7 @@ def generate_jobs(args: argparse.Namespace, pipe, stages: dict[str, float], star
     import jax
     from tqdm import tqdm
 
+    from mxdit.model.programs import compile_ahead
     from mxdit.model.requests import generate_batch, group_batches
 
     failed = [line for line, _ in args.bad_lines]
@@ -291,9 +299,12 @@ def generate_jobs(args: argparse.Namespace, pipe, stages: dict[str, float], star
     # every batch is: its data axis splits the batch.
     full = set()
     totals: dict[str, float] = {}
+    batches = list(group_batches(args.jobs, args.batch_size, key=lambda job: job.request.batch_key()))
+    if args.compile_ahead and args.mesh is None:
+        stages["compile ahead"] = compile_ahead(lambda: dry_run(args, pipe, batches))
     t0 = time.perf_counter()
     with tqdm(total=len(args.jobs), desc="images", unit="image", dynamic_ncols=True) as bar:
-        for batch in group_batches(args.jobs, args.batch_size, key=lambda job: job.request.batch_key()):
+        for batch in batches:
             key = batch[0].request.batch_key()
             if len(batch) == args.batch_size:
                 full.add(key)
@@ -322,6 +333,23 @@ def generate_jobs(args: argparse.Namespace, pipe, stages: dict[str, float], star
         print(f"generate.py: {len(failed)} lines failed: {', '.join(map(str, sorted(failed)))}", file=sys.stderr)
     print_stages({**stages, **{k: v for k, v in totals.items() if k != "total"}, "total": done - started})
     return 1 if failed else 0
+
+
+def dry_run(args: argparse.Namespace, pipe, batches: list[list[Job]]) -> None:
+    """The first batch of each shape through the pipeline, for `compile_ahead`: its results are thrown away. A batch
+    that fails here is reported when it runs."""
+    from mxdit.model.requests import generate_batch
+
+    first = {}
+    for batch in batches:
+        first.setdefault(batch[0].request.batch_key(), batch)
+    for batch in first.values():
+        try:
+            generate_batch(pipe, [job.request for job in batch], lora_slots=pipe.lora_slots,
+                           tiled_decode=args.tiled_decode, true_cfg=args.true_cfg,
+                           max_sequence_length=args.max_sequence_length)
+        except Exception:
+            pass
 
 
 if __name__ == "__main__":

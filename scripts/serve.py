@@ -94,6 +94,7 @@ def main(argv=None) -> int:
 
     from mxdit.model.inference import build_pipeline
     from mxdit.model.loading import CheckpointError
+    from mxdit.model.programs import compile_ahead
     from mxdit.model.requests import generate_batch
     from mxdit.server import GenerationServer, ServerConfig, padded_batch_size
 
@@ -110,12 +111,21 @@ def main(argv=None) -> int:
             return 2
         if args.warmup:
             shapes = args.size_pairs or ((args.defaults.height, args.defaults.width),)
-            for (height, width), size in itertools.product(shapes, sorted(
-                    {padded_batch_size(n, args.max_batch, args.min_batch) for n in range(1, args.max_batch + 1)})):
-                warm = dataclasses.replace(args.defaults, prompt="warm-up", height=height, width=width)
-                _, timings = generate_batch(pipe, [warm] * size, tiled_decode=args.tiled_decode,
-                                            true_cfg=args.true_cfg, max_sequence_length=args.max_sequence_length)
-                print(f"warm-up: {height}x{width}, batch {size} in {timings['total']:.1f} s")
+            batches = [[dataclasses.replace(args.defaults, prompt="warm-up", height=height, width=width)] * size
+                       for (height, width), size in itertools.product(shapes, sorted(
+                           {padded_batch_size(n, args.max_batch, args.min_batch) for n in range(1, args.max_batch + 1)}))]
+
+            def warm_up():
+                for batch in batches:
+                    _, timings = generate_batch(pipe, batch, tiled_decode=args.tiled_decode, true_cfg=args.true_cfg,
+                                                max_sequence_length=args.max_sequence_length)
+                    yield batch, timings
+
+            if args.compile_ahead and args.mesh is None:
+                seconds = compile_ahead(lambda: list(warm_up()))
+                print(f"warm-up: {len(batches)} shapes' programs lowered in {seconds:.1f} s, compiling concurrently")
+            for batch, timings in warm_up():
+                print(f"warm-up: {batch[0].height}x{batch[0].width}, batch {len(batch)} in {timings['total']:.1f} s")
         server = GenerationServer(pipe, config, args.defaults, program_store=store,
                                   model_name="demo" if args.demo else args.model.name)
         server.start()

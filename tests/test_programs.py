@@ -1,6 +1,7 @@
 """model/programs.py: compiled programs stored on disk are loaded by a later store (a later process) instead of traced,
 under keys that change with anything that changes the program; generate.py's second start loads them all."""
 
+import functools
 import os
 import subprocess
 import sys
@@ -9,6 +10,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from conftest import FIXTURES
 from mxdit.model.programs import ProgramStore, stored_jit, use_program_store
@@ -73,7 +75,8 @@ def test_a_damaged_file_is_compiled_again_and_replaced(tmp_path):
 
 
 def test_generate_second_start_loads_every_program_and_writes_the_same_image(tmp_path):
-    """Two processes, as a user runs generate.py twice: the second loads the four programs the first stored."""
+    """Two processes, as a user runs generate.py twice: the second loads the four programs the first stored. The first
+    compiles them ahead (a dry run's zeros would show in its image)."""
     common = [sys.executable, str(Path(__file__).parent.parent / "scripts" / "generate.py"), "--model",
               str(FIXTURES / "krea2" / "tiny_pipeline"), "--prompt", "a cat", "--height", "64", "--width", "64",
               "--steps", "2", "--dtype", "fp32", "--max-sequence-length", "16", "--compile-cache",
@@ -81,7 +84,9 @@ def test_generate_second_start_loads_every_program_and_writes_the_same_image(tmp
     outputs = []
     for start in ("first", "second"):
         outputs.append(tmp_path / f"{start}.png")
-        proc = subprocess.run(common + ["--output", str(outputs[-1])], capture_output=True, text=True, timeout=600)
+        ahead = ["--compile-ahead"] if start == "first" else []
+        proc = subprocess.run(common + ahead + ["--output", str(outputs[-1])], capture_output=True, text=True,
+                              timeout=600)
         assert proc.returncode == 0, proc.stderr[-2000:]
         summary = next(line for line in proc.stdout.splitlines() if line.startswith("executables:"))
         # text encoder, the transformer's text stage, the denoising loop, the VAE decoder
@@ -139,3 +144,67 @@ def test_a_store_that_cannot_be_written_still_runs_the_program_once_compiled(tmp
         a, b = _power_plus(x, 1.0, power=2), _power_plus(x, 2.0, power=2)
     np.testing.assert_array_equal(b, a + 1)
     assert store.stats.compiled == 1 and "not stored: [Errno 28]" in store.stats.failed_loads[0]
+
+
+@stored_jit
+def _scaled(x, scale):
+    TRACES.append("scaled")
+    return x * scale
+
+
+def test_ahead_a_dry_run_lowers_each_program_once_and_the_real_run_uses_them(tmp_path):
+    """In `ahead` mode the calls return zeros of their outputs' shapes while the programs compile on the store's
+    threads; the real calls after it trace nothing and compute what jax.jit computes."""
+    TRACES.clear()
+    x = jnp.arange(4.0)
+    with use_program_store(tmp_path) as store:
+        with store.ahead():
+            y = _power_plus(x, 1.0, power=6)
+            z = _scaled(y, 3.0)  # reached with zeros of y's shape: the dry run goes on to the next program
+        assert (y.shape, y.dtype, z.shape, z.dtype) == ((4,), jnp.float32, (4,), jnp.float32)
+        np.testing.assert_array_equal(z, np.zeros(4, np.float32))
+        traced = list(TRACES)
+        real = _scaled(_power_plus(x, 1.0, power=6), 3.0)
+    assert traced == [6, "scaled"] and TRACES == traced, "the real run traced again"
+    np.testing.assert_array_equal(real, (np.arange(4.0) ** 6 + 1) * 3)
+    assert store.stats.compiled == 2 and len(list(tmp_path.glob("*.xla"))) == 2
+
+
+def test_a_program_that_fails_to_compile_ahead_raises_in_the_real_call_and_is_tried_again(tmp_path, monkeypatch):
+    import mxdit.model.programs as programs
+
+    compile_once = programs.ProgramStore._compile
+
+    def failing(self, *args):
+        monkeypatch.setattr(programs.ProgramStore, "_compile", compile_once)
+        raise RuntimeError("out of memory while compiling")
+
+    monkeypatch.setattr(programs.ProgramStore, "_compile", failing)
+    x = jnp.arange(4.0)
+    with use_program_store(tmp_path) as store:
+        with store.ahead():
+            _power_plus(x, 1.0, power=3)
+        with pytest.raises(RuntimeError, match="out of memory while compiling"):
+            _power_plus(x, 1.0, power=3)
+        np.testing.assert_array_equal(_power_plus(x, 1.0, power=3), np.arange(4.0) ** 3 + 1)
+
+
+@pytest.mark.slow
+def test_a_pipeline_compiled_ahead_gives_the_same_images_and_compiles_nothing_more(tmp_path):
+    """The tiny Krea 2 pipeline: `compile_ahead` of a dry run reaches all four programs (text encoder, text stage,
+    denoising loop, VAE decoder); the real call then traces none and its images equal those of a plain run."""
+    from mxdit.model.inference import InferenceOptions, build_pipeline
+    from mxdit.model.programs import compile_ahead
+
+    pipe = build_pipeline(FIXTURES / "krea2" / "tiny_pipeline", InferenceOptions(dtype="float32"))
+    call = functools.partial(pipe, ["a cat", "a red fox"], height=64, width=64, num_inference_steps=2, seed=[1, 2],
+                             max_sequence_length=16, output_type="np")
+    plain = call()
+    with use_program_store(tmp_path) as store:
+        seconds = compile_ahead(call)
+        programs = dict(store._programs)
+        ahead = call()
+    assert seconds > 0 and len(programs) == 4 and store._programs.keys() == programs.keys()
+    assert store.stats.compiled == 4
+    np.testing.assert_array_equal(ahead.images, plain.images)
+    assert compile_ahead(call) == 0.0  # no store: nothing is called

@@ -106,6 +106,11 @@ def first_image(args) -> None:
         for start in ("first", "second"):
             rows.append(emit(timed_start(f"mxdit {args.precision}, {start} start", [sys.executable, str(GENERATE)],
                                          ours, work / f"mxdit_{start}.png")))
+        if args.compile_ahead_too:  # a first start of its own, its programs compiled concurrently
+            ahead = common + ["--precision", args.precision, "--attention", args.attention, "--compile-cache",
+                              str(work / "cache_ahead"), "--compile-ahead"]
+            rows.append(emit(timed_start(f"mxdit {args.precision}, first start, --compile-ahead",
+                                         [sys.executable, str(GENERATE)], ahead, work / "mxdit_ahead.png")))
         if args.diffusers:
             rows.append(emit(timed_start("diffusers eager bf16", [sys.executable, str(CLI), "first-image-diffusers",
                                                                    "--model-folder", str(folder), "--model",
