@@ -35,7 +35,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .numerics import BLOCK_K, FP8_MAX, ptx_f32, quantize_activations, reciprocal_products, round_to, swiglu
+from .numerics import (BLOCK_K, FP8_MAX, lowering_for_amd, ptx_f32, quantize_activations, reciprocal_products,
+                       round_to, swiglu)
 
 CHUNK = 2048  # the widest power of two a row is loaded in (Triton's loads take power-of-two sizes)
 
@@ -74,8 +75,9 @@ _SIGMOID_PTX = ("{ .reg .f32 e; mul.f32 e, $1, 0fBFB8AA3B; ex2.approx.ftz.f32 e,
 
 
 def _sigmoid(x: jax.Array, interpret: bool) -> jax.Array:
-    """sigmoid(x) of float32 x in a row kernel: the exact expression in interpret mode, `_SIGMOID_PTX` on the GPU."""
-    if interpret:
+    """sigmoid(x) of float32 x in a row kernel: the exact expression in interpret mode and on AMD GPUs,
+    `_SIGMOID_PTX` on NVIDIA GPUs."""
+    if interpret or lowering_for_amd():
         return 1.0 / (1.0 + jnp.exp(-x))
     return ptx_f32(_SIGMOID_PTX, x)
 

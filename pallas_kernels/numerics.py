@@ -90,11 +90,38 @@ _PRODUCT_PTX = "mul.rn.f32 $0, $1, $2;"
 _ROUNDED_PRODUCT_PTX = "{ .reg .f32 q; mul.rn.f32 q, $1, $2; cvt.rni.f32.f32 $0, q; }"  # ties to even, as jnp.round
 
 
+def lowering_for_amd() -> bool:
+    """Whether the kernel being traced is for an AMD GPU: the local one, or the gfx architecture of the abstract
+    device an ahead-of-time build names (`pallas_kernels.amd`). Inline PTX does not assemble there."""
+    from jax._src.pallas.triton import gpu_info
+
+    try:
+        return gpu_info.get_device_kind().startswith("gfx")
+    except Exception:  # no GPU to ask (the CPU's interpret mode)
+        return False
+
+
+def _round_half_even(x: jax.Array) -> jax.Array:
+    """jnp.round(x) (ties to even) from floor, in a Triton kernel, which cannot lower `round`: x - floor(x) is exact,
+    and a tie goes to the even one of floor(x) and floor(x) + 1."""
+    low = jnp.floor(x)
+    fraction = x - low
+    low_is_even = low - 2.0 * jnp.floor(low * 0.5) == 0.0
+    up = (fraction > 0.5) | ((fraction == 0.5) & ~low_is_even)
+    return jnp.where(up, low + 1.0, low)
+
+
 def reciprocal_products(ys, step, *, round_to_integer: bool = False):
     """[y * (1 / step) for y in ys], the reciprocal correctly rounded, each product rounded once (then to the nearest
     integer, ties to even: `round_to_integer`), inside a Triton kernel. step: one float32 for all of ys (a row's, a
-    block's), or an array that broadcasts against each y (a step a channel: (1, d))."""
+    block's), or an array that broadcasts against each y (a step a channel: (1, d)). On NVIDIA GPUs in PTX (Triton's
+    `/` is the approximate `div.full.f32` there); on AMD GPUs the plain expression, whose float32 division LLVM's
+    AMDGPU backend rounds correctly."""
     step = jnp.reshape(step, (1, 1)) if jnp.ndim(step) < 2 else step
+    if lowering_for_amd():
+        reciprocal = 1.0 / step
+        products = [y * reciprocal for y in ys]
+        return [_round_half_even(q) for q in products] if round_to_integer else products
     reciprocal = ptx_f32("rcp.rn.f32 $0, $1;", step)
     code = _ROUNDED_PRODUCT_PTX if round_to_integer else _PRODUCT_PTX
     return [ptx_f32(code, y, reciprocal) for y in ys]
