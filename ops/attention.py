@@ -19,8 +19,11 @@ import jax.numpy as jnp
 
 from mxdit.pallas_kernels import attention as attention_kernels
 
+from . import kernels
 from .kernels import jitted, on_gpu
 from .names import AttentionKernel
+
+_MOSAIC_ATTENTION = (AttentionKernel.INT8_MOSAIC, AttentionKernel.INT8_MOSAIC_FP8)
 
 # An attention function in place of a kernel name, e.g. sharding/'s sequence-parallel attention:
 # (q, k, v, kv_lengths) -> out, shaped as above.
@@ -38,15 +41,23 @@ class HeadNorm(Protocol):
 
 
 def attention_implementation(requested: str | None, dtype) -> AttentionKernel:
-    """The attention kernel a model uses: `requested`, or by default cuDNN on a GPU for 16-bit dtypes and XLA
-    otherwise (the INT8 kernels trade accuracy for speed: only when asked for)."""
+    """The attention kernel a model uses: `requested`, or by default cuDNN on an NVIDIA GPU for 16-bit dtypes and XLA
+    otherwise (the INT8 kernels trade accuracy for speed: only when asked for). Raises ValueError for a kernel this
+    GPU cannot run (the Mosaic ones off Hopper, cuDNN off NVIDIA)."""
     if requested is None:
-        cudnn = on_gpu() and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16)
+        cudnn = kernels.on_nvidia() and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16)
         return AttentionKernel.CUDNN if cudnn else AttentionKernel.XLA
     try:
-        return AttentionKernel(requested)
+        kernel = AttentionKernel(requested)
     except ValueError:
         raise ValueError(f"attention must be one of {', '.join(AttentionKernel)}, got {requested!r}") from None
+    arch = kernels.gpu_architecture()
+    if arch is not None and kernel in _MOSAIC_ATTENTION and kernels.kernel_family() != "mosaic":
+        raise ValueError(f"attention {kernel.value}: a Mosaic GPU kernel for Hopper (H100, H200); this GPU ({arch}) "
+                         f"runs {kernel.value.replace('_mosaic', '')} (the same kernel through Triton)")
+    if arch is not None and kernel is AttentionKernel.CUDNN and not kernels.on_nvidia():
+        raise ValueError(f"attention cudnn: NVIDIA's library; this GPU ({arch}) runs xla or the int8 kernels")
+    return kernel
 
 
 def cudnn_takes_head_dim(head_dim: int) -> bool:
@@ -107,7 +118,7 @@ def _int8_kernel(entry: Callable, *args, kernel: AttentionKernel, kv_lengths, ou
     """`entry` (an INT8-QK entry point of `pallas_kernels.attention`) for `kernel`: its backend and P.V precision,
     the kernel's default config for them. On a GPU under its own jit (`kernels.jitted`); elsewhere (tests) in
     interpret mode and called directly: under that jit the Mosaic GPU interpreter does not finish."""
-    backend = "mosaic" if kernel in (AttentionKernel.INT8_MOSAIC, AttentionKernel.INT8_MOSAIC_FP8) else "triton"
+    backend = "mosaic" if kernel in _MOSAIC_ATTENTION else "triton"
     pv = "fp8" if kernel in (AttentionKernel.INT8_FP8, AttentionKernel.INT8_MOSAIC_FP8) else "bf16"
     function = jitted(entry) if on_gpu() else entry
     return function(*args, kv_lengths=kv_lengths, backend=backend, pv=pv, interpret=not on_gpu(), out_dtype=out_dtype)

@@ -18,6 +18,29 @@ def on_gpu() -> bool:
     return jax.default_backend() == "gpu"
 
 
+def gpu_architecture() -> str | None:
+    """The default device's architecture: NVIDIA's compute capability ("9.0") or AMD's gfx name ("gfx942"); None
+    off a GPU."""
+    if not on_gpu():
+        return None
+    return str(getattr(jax.devices()[0], "compute_capability", "")) or None
+
+
+def kernel_family() -> str:
+    """Which kernels this device runs: "mosaic" on Hopper (Mosaic GPU's wgmma and TMA are Hopper's), "triton" on
+    other GPUs (AMD Instinct, other NVIDIA generations), "reference" (the jnp definitions) off a GPU."""
+    arch = gpu_architecture()
+    if arch is None:
+        return "reference"
+    return "mosaic" if arch.startswith("9.") else "triton"
+
+
+def on_nvidia() -> bool:
+    """Whether the default device is an NVIDIA GPU (cuDNN's attention runs there)."""
+    arch = gpu_architecture()
+    return arch is not None and not arch.startswith("gfx")
+
+
 def jitted(function: Callable) -> Callable:
     """`function` (a kernel entry point) under its own `jax.jit`. Every argument that holds no array (a backend name,
     a dtype, a size, eps, a frozen config) is static and every array argument is traced, read from the call itself:

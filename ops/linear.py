@@ -17,7 +17,7 @@ import jax.numpy as jnp
 
 from mxdit.pallas_kernels import activations, gemm
 
-from .kernels import jitted, on_gpu
+from .kernels import jitted, kernel_family, on_gpu
 
 # The epilogues XLA's product applies itself; "swiglu" exists only for a `gemm.swiglu_weight`, in the kernels.
 _ACTIVATIONS = {"none": lambda y: y, "gelu_tanh": functools.partial(jax.nn.gelu, approximate=True),
@@ -94,10 +94,11 @@ def kernel_matmul(x: jax.Array | FP8Activations, weight: gemm.GemmWeight, bias: 
 
 
 def gemm_backend(weight: gemm.GemmWeight) -> str:
-    """The GEMM kernel for `weight`: on a GPU the Mosaic (Hopper) kernel for FP8 operands, the Triton one for INT8
-    weights (wgmma takes no INT8) and packed MX codes; elsewhere the jnp reference."""
-    if not on_gpu():
-        return "reference"
+    """The GEMM kernel for `weight`: on Hopper the Mosaic kernel for FP8 operands, the Triton one for INT8 weights
+    (wgmma takes no INT8) and packed MX codes; on other GPUs the Triton one; elsewhere the jnp reference."""
+    family = kernel_family()
+    if family != "mosaic":
+        return family
     return "triton" if weight.layout == "mx" or gemm.FORMATS[weight.fmt].kind == "int8" else "mosaic"
 
 

@@ -172,12 +172,21 @@ def _weight_quantizers():
     return jax.jit(quantize, static_argnames=("fmt",)), jax.jit(prepare_weight, static_argnames=("backend",))
 
 
+def weight_layout() -> str:
+    """The GEMM weights' layout for this device's kernels (`gemm.prepare_weight`'s backend): Triton's (MX codes
+    packed, unpacked in the kernel) where the Triton GEMM runs every format, else Mosaic's, which also serves the
+    reference off a GPU."""
+    from mxdit.ops.kernels import kernel_family
+
+    return "triton" if kernel_family() == "triton" else "mosaic"
+
+
 def _quantized_weight(weight: jax.Array, fmt: str, kernels: bool):
     """`weight` in `fmt`: a `GemmWeight` for the kernels, else a `QuantizedArray`. The Mosaic layout (MX exponents
     folded per 128 x 128 tile) also serves the reference; INT8 weights keep theirs (channel scales) for Triton."""
     quantize_jit, prepare_jit = _weight_quantizers()
     q = quantize_jit(weight, fmt=fmt)
-    return prepare_jit(q, backend="mosaic") if kernels else q
+    return prepare_jit(q, backend=weight_layout()) if kernels else q
 
 
 def quantize_linear_layers(model: nnx.Module, rules: Rules, *, kernels: bool) -> list[str]:
@@ -283,7 +292,7 @@ def load_quantized_model(build, path) -> nnx.Module:
         key = module_key(p)
         value = params.pop(key)  # dropped as used: the file's arrays are freed one by one
         if isinstance(value, QuantizedArray):
-            value = prepare_jit(value, backend="mosaic")
+            value = prepare_jit(value, backend=weight_layout())
         else:
             value = jax.device_put(value).astype(variable.get_value().dtype)
         variable.set_value(placed(key, value))
