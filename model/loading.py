@@ -79,6 +79,9 @@ def config_from_dict(cls: type[T], data: Mapping[str, Any], source: str) -> T:
 
 
 READ_AHEAD = 4  # tensors read ahead of the one going to the device (`read_ahead`)
+# Threads those reads run on: a single thread's copies (Python's read into newly touched memory) are slower than what
+# a disk or the page cache give several; the bytes in flight stay READ_AHEAD tensors.
+READ_THREADS = 4
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")  # PyTorch's torch.save files: pickles, which run code when read
 
 
@@ -117,6 +120,7 @@ class SafetensorsCheckpoint:
     def __init__(self, files: Sequence[Path]):
         self.files = [Path(f) for f in files]
         self._handles = {}
+        self._headers: dict[Path, tuple[int, dict]] = {}
         self._where: dict[str, Path] = {}
         for file in self.files:
             handle = self._open(file)
@@ -152,13 +156,21 @@ class SafetensorsCheckpoint:
             raise CheckpointError(f"{file}: cannot read tensor {key!r} ({e})") from None
 
     def _raw(self, file: Path, key: str, dtype) -> np.ndarray:
-        with open(file, "rb") as f:
-            header_len = int.from_bytes(f.read(8), "little")
-            entry = json.loads(f.read(header_len))[key]
-            begin, end = entry["data_offsets"]
-            f.seek(8 + header_len + begin)
+        data_start, header = self._header(file)
+        entry = header[key]
+        begin, end = entry["data_offsets"]
+        with open(file, "rb") as f:  # a handle per read: reads run on several threads (`read_ahead`)
+            f.seek(data_start + begin)
             data = np.frombuffer(f.read(end - begin), np.uint8)
         return data.view(dtype).reshape(entry["shape"])
+
+    def _header(self, file: Path) -> tuple[int, dict]:
+        """(where the tensor data starts, the parsed JSON header) of `file`, read once."""
+        if file not in self._headers:
+            with open(file, "rb") as f:
+                header_len = int.from_bytes(f.read(8), "little")
+                self._headers[file] = (8 + header_len, json.loads(f.read(header_len)))
+        return self._headers[file]
 
 
 class ShapeCheckpoint:
@@ -489,11 +501,12 @@ def load_state(build: Callable[[], nnx.Module], keys: KeyMap, *, source: str = "
     return nnx.merge(graphdef, nnx.from_flat_state(flat))
 
 
-def read_ahead(items: Sequence[T], read: Callable[[T], Any], depth: int = READ_AHEAD) -> Iterator[tuple[T, Any]]:
-    """(item, read(item)) for each item in order, with up to `depth` reads running ahead on one background thread
-    (bounded host memory). A read's exception is raised where its item is reached."""
+def read_ahead(items: Sequence[T], read: Callable[[T], Any], depth: int = READ_AHEAD,
+               threads: int = READ_THREADS) -> Iterator[tuple[T, Any]]:
+    """(item, read(item)) for each item in order, with up to `depth` reads running ahead on `threads` background
+    threads (bounded host memory). A read's exception is raised where its item is reached."""
     items = list(items)
-    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="mxdit-read") as pool:
+    with concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="mxdit-read") as pool:
         pending = collections.deque((item, pool.submit(read, item)) for item in items[:depth])
         try:
             for i in range(len(items)):

@@ -204,8 +204,10 @@ def test_interrupted_png_and_json_writes_keep_the_old_file(tmp_path, monkeypatch
     assert listing(tmp_path) == before
 
 
-def test_read_ahead_keeps_the_order_bounds_the_reads_and_raises_where_the_item_is():
+@pytest.mark.parametrize("threads", [1, 3])
+def test_read_ahead_keeps_the_order_bounds_the_reads_and_raises_where_the_item_is(threads):
     import threading
+    import time
 
     from mxdit.model.loading import read_ahead
 
@@ -214,13 +216,14 @@ def test_read_ahead_keeps_the_order_bounds_the_reads_and_raises_where_the_item_i
     def read(i):
         with lock:
             started.append(i)
+        time.sleep(0.001 * (i % 3))  # reads on several threads finish out of order
         if i == 7:
             raise ValueError("item 7 is damaged")
         return i * i
 
     seen = []
     with pytest.raises(ValueError, match="item 7 is damaged"):
-        for i, value in read_ahead(range(20), read, depth=3):
+        for i, value in read_ahead(range(20), read, depth=3, threads=threads):
             assert max(started) <= i + 3  # never more than `depth` reads ahead of the consumer
             seen.append((i, value))
     assert seen == [(i, i * i) for i in range(7)] and max(started) <= 10
