@@ -96,6 +96,9 @@ def check_model_arguments(parser: argparse.ArgumentParser, args: argparse.Namesp
                           offload=args.offload, prefetch=args.prefetch, fuse_loras=args.fuse_lora)
     if error is not None:
         parser.error(error)
+    if args.compile_ahead and (args.mesh is not None or str(args.compile_cache) in ("", ".")):
+        # its dry run returns zeros only from programs the store serves, and those run on one device
+        parser.error("--compile-ahead: needs --compile-cache and runs without --mesh")
     args.dtype = args.dtype or ("fp32" if args.demo else "bf16")
 
 

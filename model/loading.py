@@ -20,6 +20,7 @@ import dataclasses
 import json
 import os
 import stat
+import threading
 import typing
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -121,6 +122,7 @@ class SafetensorsCheckpoint:
         self.files = [Path(f) for f in files]
         self._handles = {}
         self._headers: dict[Path, tuple[int, dict]] = {}
+        self._header_lock = threading.Lock()
         self._where: dict[str, Path] = {}
         for file in self.files:
             handle = self._open(file)
@@ -166,11 +168,12 @@ class SafetensorsCheckpoint:
 
     def _header(self, file: Path) -> tuple[int, dict]:
         """(where the tensor data starts, the parsed JSON header) of `file`, read once."""
-        if file not in self._headers:
-            with open(file, "rb") as f:
-                header_len = int.from_bytes(f.read(8), "little")
-                self._headers[file] = (8 + header_len, json.loads(f.read(header_len)))
-        return self._headers[file]
+        with self._header_lock:  # the reader threads of `read_ahead` ask at once
+            if file not in self._headers:
+                with open(file, "rb") as f:
+                    header_len = int.from_bytes(f.read(8), "little")
+                    self._headers[file] = (8 + header_len, json.loads(f.read(header_len)))
+            return self._headers[file]
 
 
 class ShapeCheckpoint:

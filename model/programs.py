@@ -7,8 +7,8 @@ an earlier process serialized into `folder` (`jax.experimental.serialize_executa
 writes it there. Outside a store it is plain `jax.jit`.
 
 A first start compiles the stages of a pipeline concurrently: in `ProgramStore.ahead()` a stored program's first call
-of a shape does not run. It is lowered in the calling thread, compiled on a pool of threads (or loaded from disk),
-and returns zeros of its outputs' shapes, so that a dry run of the pipeline (`compile_ahead`) reaches every program
+of a shape does not run. It is lowered in the calling thread and compiled on a pool of threads (a stored one is
+loaded in the calling thread), and returns zeros of its outputs' shapes, so that a dry run of the pipeline (`compile_ahead`) reaches every program
 while the earlier ones compile. The real call that follows waits for each program as it needs it.
 
 A stored program is keyed by everything that decides what it computes and where it runs: the function's name, its
@@ -32,17 +32,18 @@ import pickle
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from pathlib import Path
 
 import jax
-import numpy as np
+import jax.numpy as jnp
 
 from .loading import write_atomically
 
 UNUSED_DAYS = 30  # a stored program not loaded or written for this long is deleted when the store next writes
-FORMAT = 2  # the layout of a stored file: (FORMAT, out_tree, serialized executable, the device's id)
+FORMAT = 3  # a stored file: (FORMAT, out_tree, serialized executable, the device's id, the outputs' weak types)
 SUFFIX = ".xla"
+COMPILE_THREADS = 4  # compiles at once ahead: XLA's GPU autotuning runs kernels on the device while it compiles
 _SOURCE_FOLDERS = ("model", "ops", "quant", "pallas_kernels", "sharding")
 
 
@@ -73,15 +74,25 @@ class ProgramStore:
 
     @contextlib.contextmanager
     def ahead(self) -> Iterator[ProgramStore]:
-        """Within the block, in this thread, a program's first call of a shape is lowered here and compiled on the
-        store's threads (or loaded) and returns zeros shaped as its outputs; its later calls return zeros too. Only
-        for a dry run whose results are thrown away: after the block, the same calls run the compiled programs."""
+        """Within the block, in this thread, a program's first call of a shape is traced and lowered here and
+        compiled on the store's threads (a stored one is loaded here), and returns zeros shaped and placed as its
+        outputs; its later calls return zeros too. Only for a dry run whose results are thrown away: after the block
+        the same calls run the compiled programs. A call whose inputs span several devices runs for real (its
+        outputs' placement is the program's own)."""
         previous = getattr(_active, "ahead", False)
         _active.ahead = True
         try:
             yield self
         finally:
             _active.ahead = previous
+
+    def close(self) -> None:
+        """Drop the compiles queued ahead and not started (a started one finishes); a later call compiles its
+        program itself."""
+        with self._lock:
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=False, cancel_futures=True)
 
     def prune(self, unused_days: float = UNUSED_DAYS) -> int:
         """Delete the stored programs not loaded or written for `unused_days` (another jax, another version of this
@@ -126,7 +137,7 @@ class ProgramStore:
         leaves, treedef = jax.tree.flatten(tuple(dynamic))
         if any(isinstance(leaf, jax.core.Tracer) for leaf in leaves):  # inside another program's trace
             return jitted(*dynamic, **static)
-        ahead = getattr(_active, "ahead", False)
+        ahead = getattr(_active, "ahead", False) and len(_devices(leaves)) <= 1
         signature = tuple(_leaf_signature(leaf) for leaf in leaves)
         memo = (name, treedef, signature, tuple(sorted(static.items())))
         program = self._programs.get(memo)
@@ -136,14 +147,16 @@ class ProgramStore:
             with program_lock:
                 program = self._programs.get(memo)
                 if program is None:
-                    program = self._load_or_compile(name, jitted, dynamic, static, treedef, signature, ahead)
+                    program = self._load_or_compile(memo, jitted, dynamic, static, ahead)
                     self._programs[memo] = program
         if ahead:
-            return _zeros(self._outputs[memo] if memo in self._outputs else _output_shapes(program, jitted, dynamic,
-                                                                                            static), leaves)
-        if isinstance(program, Future):  # compiling ahead: wait for it
+            return _zeros(self._outputs[memo], leaves)
+        if isinstance(program, Future):  # compiled ahead: wait for it
             try:
                 program = program.result()
+            except CancelledError:  # dropped by `close`: compiled now
+                self._programs.pop(memo, None)
+                return self.call(name, jitted, dynamic, static)
             except Exception:  # as a compile that fails in the call: raised here, tried again by the next call
                 self._programs.pop(memo, None)
                 raise
@@ -152,7 +165,8 @@ class ProgramStore:
             return jitted(*dynamic, **static)
         return program(*dynamic)
 
-    def _load_or_compile(self, name, jitted, dynamic, static, treedef, signature, ahead: bool = False):
+    def _load_or_compile(self, memo, jitted, dynamic, static, ahead: bool):
+        name, treedef, signature, _ = memo
         key = hashlib.sha256("\n".join([
             self.environment(), f"program {name}", f"static {sorted(static.items())!r}", f"tree {treedef}",
             *(f"{shape} {dtype} {weak} {sharding}" for shape, dtype, weak, sharding in signature)]).encode()).hexdigest()
@@ -164,13 +178,14 @@ class ProgramStore:
                 fmt, *stored = pickle.loads(path.read_bytes())
                 if fmt != FORMAT:
                     raise ValueError(f"format {fmt}, expected {FORMAT}")
-                out_tree, payload, device_id = stored
+                out_tree, payload, device_id, out_weak = stored
                 # Its own device: by default an executable is loaded onto all of the backend's devices.
                 device = next(d for d in jax.devices() if d.id == device_id)
                 from jax.experimental.serialize_executable import deserialize_and_load
 
                 _prepare_backend()
                 program = deserialize_and_load(payload, in_tree, out_tree, execution_devices=[device])
+                self._outputs[memo] = _with_weak_types(program.out_info, out_weak)
                 with self._lock:
                     self.stats.loaded += 1
                     self.stats.load_s += time.perf_counter() - t0
@@ -182,25 +197,28 @@ class ProgramStore:
             except Exception as e:  # a stale or damaged file: compiled again below and replaced
                 self._note(path, f"{type(e).__name__}: {str(e)[:200]}")
         t0 = time.perf_counter()
-        lowered = jitted.lower(*dynamic, **static)
+        traced = jitted.trace(*dynamic, **static)
+        self._outputs[memo] = traced.out_info  # with the outputs' weak types, which the lowered program lacks
+        out_weak = tuple(bool(out.weak_type) for out in jax.tree.leaves(traced.out_info))
+        lowered = traced.lower()
+        lower_s = time.perf_counter() - t0
         if ahead:  # lowered here, compiled there: the caller goes on to the next program meanwhile
-            memo = (name, treedef, signature, tuple(sorted(static.items())))
-            self._outputs[memo] = lowered.out_info
             with self._lock:
                 if self._pool is None:
-                    self._pool = ThreadPoolExecutor(max(1, min(8, os.cpu_count() or 1)),
+                    self._pool = ThreadPoolExecutor(max(1, min(COMPILE_THREADS, os.cpu_count() or 1)),
                                                     thread_name_prefix="mxdit-compile")
-            return self._pool.submit(self._compile, lowered, path, in_tree, dynamic, t0)
-        return self._compile(lowered, path, in_tree, dynamic, t0)
+                return self._pool.submit(self._compile, lowered, path, in_tree, dynamic, out_weak, lower_s)
+        return self._compile(lowered, path, in_tree, dynamic, out_weak, lower_s)
 
-    def _compile(self, lowered, path: Path, in_tree, dynamic: Sequence, t0: float):
+    def _compile(self, lowered, path: Path, in_tree, dynamic: Sequence, out_weak: tuple, lower_s: float):
         """Compile `lowered` and write its executable to `path`; the executable (or `_ON_DEVICES`)."""
+        t0 = time.perf_counter()
         compiled = lowered.compile()
         if not _one_device(compiled):
             return _ON_DEVICES
         with self._lock:
             self.stats.compiled += 1
-            self.stats.compile_s += time.perf_counter() - t0
+            self.stats.compile_s += lower_s + time.perf_counter() - t0
         from jax.experimental.serialize_executable import serialize
 
         try:
@@ -214,10 +232,12 @@ class ProgramStore:
             return compiled
         try:
             self.folder.mkdir(parents=True, exist_ok=True)
-            if not self._pruned:  # once a process, when it adds a program: the folder does not grow without end
-                self._pruned = True
+            with self._lock:  # once a process, when it adds a program: the folder does not grow without end
+                prune, self._pruned = not self._pruned, True
+            if prune:
                 self.prune()
-            write_atomically(path, lambda tmp: tmp.write_bytes(pickle.dumps((FORMAT, out_tree, payload, device.id))))
+            write_atomically(path, lambda tmp: tmp.write_bytes(
+                pickle.dumps((FORMAT, out_tree, payload, device.id, out_weak))))
         except OSError as e:  # a full disk or a read-only store: the program still runs in this process
             self._note(path, f"not stored: {e}")
         return compiled
@@ -228,23 +248,31 @@ class ProgramStore:
 _ON_DEVICES = object()
 
 
-def _output_shapes(program, jitted, dynamic: Sequence, static: dict):
-    """A compiled or loaded program's output shapes; a multi-device one's by tracing."""
-    if program is _ON_DEVICES:
-        return jax.eval_shape(functools.partial(jitted, **static), *dynamic)
-    return program.out_info
+def _devices(leaves: Sequence) -> set:
+    return {d for leaf in leaves if isinstance(leaf, jax.Array) for d in leaf.sharding.device_set}
+
+
+def _with_weak_types(shapes, weak: Sequence[bool]):
+    """`shapes` (a loaded executable's outputs, which do not say which are weakly typed) with their weak types."""
+    leaves, tree = jax.tree.flatten(shapes)
+    return jax.tree.unflatten(tree, [jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=s.sharding, weak_type=w)
+                                     for s, w in zip(leaves, weak, strict=True)])
 
 
 def _zeros(shapes, inputs: Sequence):
-    """Zeros of `shapes` (a tree of ShapeDtypeStruct), on the one device of `inputs` when they have one, so that the
-    programs a dry run calls next see the arguments (and their placement) of the real run."""
-    devices = {d for leaf in inputs if isinstance(leaf, jax.Array) for d in leaf.sharding.device_set}
+    """Zeros of `shapes` (a tree of ShapeDtypeStruct) as the program would return them: on its output sharding or
+    else on the inputs' one device, weakly typed where its outputs are, so that the programs a dry run calls next
+    see the arguments of the real run."""
+    devices = _devices(inputs)
+    default = next(iter(devices)) if len(devices) == 1 else None
 
     def zeros(shape):
-        sharding = getattr(shape, "sharding", None)
-        if sharding is None and len(devices) == 1:
-            sharding = next(iter(devices))
-        return jax.device_put(np.zeros(shape.shape, shape.dtype), sharding)
+        place = getattr(shape, "sharding", None) or default
+        if shape.weak_type:  # a Python scalar's zero is weakly typed, and broadcasting keeps it
+            zero = jnp.asarray(shape.dtype.type(0).item())
+            if zero.dtype == shape.dtype:
+                return jax.device_put(jnp.broadcast_to(zero, shape.shape), place)
+        return jnp.zeros(shape.shape, shape.dtype, device=place)
 
     return jax.tree.map(zeros, shapes)
 
@@ -309,7 +337,8 @@ def active_store() -> ProgramStore | None:
 def use_program_store(store: ProgramStore | str | Path | None) -> Iterator[ProgramStore | None]:
     """Within the block, in this thread, `stored_jit` functions run through `store` (a folder: a new store on it;
     None: plain `jax.jit`)."""
-    if store is not None and not isinstance(store, ProgramStore):
+    made = store is not None and not isinstance(store, ProgramStore)
+    if made:
         store = ProgramStore(store)
     previous = active_store()
     _active.store = store
@@ -317,6 +346,8 @@ def use_program_store(store: ProgramStore | str | Path | None) -> Iterator[Progr
         yield store
     finally:
         _active.store = previous
+        if made:
+            store.close()
 
 
 def compile_ahead(dry_run: Callable[[], object]) -> float:
@@ -327,8 +358,12 @@ def compile_ahead(dry_run: Callable[[], object]) -> float:
     if store is None:
         return 0.0
     t0 = time.perf_counter()
-    with store.ahead():
-        dry_run()
+    try:
+        with store.ahead():
+            dry_run()
+    except BaseException:  # no real run follows: the queued compiles would only hold up the process's exit
+        store.close()
+        raise
     return time.perf_counter() - t0
 
 

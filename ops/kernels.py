@@ -19,11 +19,12 @@ def on_gpu() -> bool:
 
 
 def gpu_architecture() -> str | None:
-    """The default device's architecture: NVIDIA's compute capability ("9.0") or AMD's gfx name ("gfx942"); None
-    off a GPU."""
+    """The default device's architecture: NVIDIA's compute capability ("9.0") or AMD's gfx name ("gfx942"), its kind
+    where it gives neither; None off a GPU."""
     if not on_gpu():
         return None
-    return str(getattr(jax.devices()[0], "compute_capability", "")) or None
+    device = jax.devices()[0]
+    return str(getattr(device, "compute_capability", "") or device.device_kind)
 
 
 def kernel_family() -> str:

@@ -121,7 +121,7 @@ def build_for_amd(kernel: TritonKernel, arch: str) -> AmdBuild:
     except ImportError as e:
         raise ImportError("AMD builds need the triton package: pip install -e '.[amd]'") from e
 
-    inline = re.findall(r'tt\.elementwise_inline_asm \{asm_string = "([^"]*)"', kernel.ir)
+    inline = re.findall(r'tt\.elementwise_inline_asm\s+(?:\{asm_string = )?"([^"]*)"', kernel.ir)
     if inline:  # the assembler would only say that it rejected the code
         raise ValueError(f"{kernel.name}: inline assembly for another GPU ({inline[0]!r}); AMD GPUs do not run it")
     with tempfile.TemporaryDirectory(prefix="mxdit-amd-") as folder:

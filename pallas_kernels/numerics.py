@@ -102,13 +102,14 @@ def lowering_for_amd() -> bool:
 
 
 def _round_half_even(x: jax.Array) -> jax.Array:
-    """jnp.round(x) (ties to even) from floor, in a Triton kernel, which cannot lower `round`: x - floor(x) is exact,
-    and a tie goes to the even one of floor(x) and floor(x) + 1."""
+    """jnp.round(x) (ties to even) from floor, in a Triton kernel, which cannot lower `round`: a fraction x - floor(x)
+    above 1/2 rounds up, a tie to the even neighbour; a zero result takes x's sign, as jnp.round's."""
     low = jnp.floor(x)
     fraction = x - low
     low_is_even = low - 2.0 * jnp.floor(low * 0.5) == 0.0
     up = (fraction > 0.5) | ((fraction == 0.5) & ~low_is_even)
-    return jnp.where(up, low + 1.0, low)
+    rounded = jnp.where(up, low + 1.0, low)
+    return jnp.where((rounded == 0.0) & (x < 0.0), -0.0, rounded)
 
 
 def reciprocal_products(ys, step, *, round_to_integer: bool = False):

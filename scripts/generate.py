@@ -249,7 +249,7 @@ def generate(args: argparse.Namespace, started: float) -> int:
         if not args.progress:
             print(f"denoising: {steps} steps")
         try:
-            if args.compile_ahead and args.mesh is None:
+            if args.compile_ahead:
                 stages["compile ahead"] = compile_ahead(
                     lambda: call(callback=(lambda *_: None) if args.progress else None))
             # Without a per-step callback the pipelines run all steps as one program (no host round trip).
@@ -300,7 +300,7 @@ def generate_jobs(args: argparse.Namespace, pipe, stages: dict[str, float], star
     full = set()
     totals: dict[str, float] = {}
     batches = list(group_batches(args.jobs, args.batch_size, key=lambda job: job.request.batch_key()))
-    if args.compile_ahead and args.mesh is None:
+    if args.compile_ahead:
         stages["compile ahead"] = compile_ahead(lambda: dry_run(args, pipe, batches))
     t0 = time.perf_counter()
     with tqdm(total=len(args.jobs), desc="images", unit="image", dynamic_ncols=True) as bar:

@@ -53,6 +53,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser = build_parser()
     args = parser.parse_args(argv)
     check_model_arguments(parser, args)
+    if args.compile_ahead and not args.warmup:
+        parser.error("--compile-ahead: with --warmup, whose programs it compiles")
     for name in ("max_batch", "max_queue", "keep_images"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} {getattr(args, name)}: must be >= 1")
@@ -121,7 +123,7 @@ def main(argv=None) -> int:
                                                 max_sequence_length=args.max_sequence_length)
                     yield batch, timings
 
-            if args.compile_ahead and args.mesh is None:
+            if args.compile_ahead:
                 seconds = compile_ahead(lambda: list(warm_up()))
                 print(f"warm-up: {len(batches)} shapes' programs lowered in {seconds:.1f} s, compiling concurrently")
             for batch, timings in warm_up():

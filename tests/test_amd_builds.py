@@ -5,6 +5,7 @@ and the matrix instructions each kernel should use. Not checked: that the code r
 
 import warnings
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -53,9 +54,15 @@ def test_kernel_builds_for_amd_within_limits_with_its_matrix_instructions(call, 
         assert not used
 
 
-def test_inline_ptx_is_named_not_assembled():
-    kernel = amd.TritonKernel("k", 'tt.elementwise_inline_asm {asm_string = "rcp.rn.f32 $0, $1;"}', 4, 1)
-    with pytest.raises(ValueError, match=r"k: inline assembly for another GPU \('rcp.rn.f32"):
+def test_inline_ptx_is_named_not_assembled(monkeypatch):
+    """A kernel lowered with its NVIDIA arithmetic (inline PTX) for an AMD target: the build names the assembly."""
+    monkeypatch.setattr(numerics, "lowering_for_amd", lambda: False)
+    jax.clear_caches()  # an earlier test's lowering of the kernel (the AMD arithmetic) is not reused
+    fn, args = CALLS["tokens_fp8"]()
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*Pallas Triton backend is deprecated.*")
+        (kernel,) = amd.triton_kernels(fn, *args, arch="gfx942")
+    with pytest.raises(ValueError, match=r"tokens_fp8: inline assembly for another GPU \('rcp.rn.f32"):
         amd.build_for_amd(kernel, "gfx942")
 
 
@@ -72,3 +79,4 @@ def test_the_amd_path_of_reciprocal_products_computes_the_composition(monkeypatc
     expected = np.asarray(y) * (np.float32(1) / np.float32(0.75))
     np.testing.assert_array_equal(products, expected)
     np.testing.assert_array_equal(rounded, np.round(expected))
+    np.testing.assert_array_equal(np.signbit(rounded), np.signbit(np.round(expected)))  # -0.0 where jnp.round gives it

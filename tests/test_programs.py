@@ -170,6 +170,25 @@ def test_ahead_a_dry_run_lowers_each_program_once_and_the_real_run_uses_them(tmp
     assert store.stats.compiled == 2 and len(list(tmp_path.glob("*.xla"))) == 2
 
 
+@stored_jit
+def _halved(s):
+    return s * 0.5  # of a Python float: a weakly typed result
+
+
+def test_ahead_zeros_keep_the_outputs_weak_types_and_closed_compiles_run_in_the_real_call(tmp_path):
+    TRACES.clear()
+    x = jnp.arange(4.0)
+    with use_program_store(tmp_path) as store:
+        with store.ahead():
+            h = _halved(3.0)
+            _scaled(x + 1, h)
+        assert h.weak_type and len(store._programs) == 2
+        traced = list(TRACES)
+        store.close()  # the compiles not started are dropped: the real calls compile them
+        np.testing.assert_array_equal(_scaled(x + 1, _halved(3.0)), (np.arange(4.0) + 1) * 1.5)
+        assert len(store._programs) == 2 and TRACES == traced  # the real calls met the dry run's signatures
+
+
 def test_a_program_that_fails_to_compile_ahead_raises_in_the_real_call_and_is_tried_again(tmp_path, monkeypatch):
     import mxdit.model.programs as programs
 
