@@ -228,6 +228,7 @@ def test_precision_runs_the_gemm_path_and_the_compile_cache_fills(tmp_path, caps
     assert code == 2 and "--precision mxfp4 with --mesh" in captured.err
 
 
+@pytest.mark.slow
 def test_quantized_checkpoint_from_quantize_py_generates_as_precision_does(tmp_path, capsys):
     """scripts/quantize.py's file read with --quantized: the same image as --precision fp8 quantizing the folder's
     bf16 transformer as it loads (the same quantization of the same weights); misuse exits with one line."""

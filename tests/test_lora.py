@@ -89,6 +89,7 @@ def test_merge_equals_the_adapter_and_unmerge_restores_the_weights_exactly():
     np.testing.assert_array_equal(model(*inputs()), with_adapter)
 
 
+@pytest.mark.slow
 def test_quantized_frozen_base_trains_the_adapters_only():
     from mxdit.quant.formats import QuantizedArray
     from mxdit.quant.model import krea2_rules
