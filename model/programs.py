@@ -8,8 +8,9 @@ writes it there. Outside a store it is plain `jax.jit`.
 
 A first start compiles the stages of a pipeline concurrently: in `ProgramStore.ahead()` a stored program's first call
 of a shape does not run. It is lowered in the calling thread and compiled on a pool of threads (a stored one is
-loaded in the calling thread), and returns zeros of its outputs' shapes, so that a dry run of the pipeline (`compile_ahead`) reaches every program
-while the earlier ones compile. The real call that follows waits for each program as it needs it.
+loaded in the calling thread), and returns zeros of its outputs' shapes, so that a dry run of the pipeline
+(`compile_ahead`) reaches every program while the earlier ones compile. The real call that follows waits for each
+program as it needs it.
 
 A stored program is keyed by everything that decides what it computes and where it runs: the function's name, its
 static arguments, the inputs' tree structure (which holds a module's config, dtype, attention kernel and

@@ -165,7 +165,8 @@ def example_calls() -> dict[str, Callable[[], tuple[Callable, tuple]]]:
     def gemm_call(fmt: str, scaling: str = "token", activation: str = "none"):
         w = jax.random.normal(jax.random.key(0), (256, 256), f32) * 0.05
         if activation == "swiglu":
-            weight = gemm.swiglu_weight(*(gemm.prepare_weight(half, fmt, backend="triton") for half in (w[:128], w[128:])))
+            halves = (w[:128], w[128:])
+            weight = gemm.swiglu_weight(*(gemm.prepare_weight(half, fmt, backend="triton") for half in halves))
         else:
             weight = gemm.prepare_weight(w, fmt, backend="triton")
         return (lambda x: gemm.scaled_matmul(x, weight, x_scaling=scaling, activation=activation, backend="triton"),

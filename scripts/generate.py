@@ -300,8 +300,10 @@ def generate_jobs(args: argparse.Namespace, pipe, stages: dict[str, float], star
     full = set()
     totals: dict[str, float] = {}
     batches = list(group_batches(args.jobs, args.batch_size, key=lambda job: job.request.batch_key()))
+    run_batch = functools.partial(generate_batch, pipe, lora_slots=pipe.lora_slots, tiled_decode=args.tiled_decode,
+                                  true_cfg=args.true_cfg, max_sequence_length=args.max_sequence_length)
     if args.compile_ahead:
-        stages["compile ahead"] = compile_ahead(lambda: dry_run(args, pipe, batches))
+        stages["compile ahead"] = compile_ahead(lambda: dry_run(run_batch, batches))
     t0 = time.perf_counter()
     with tqdm(total=len(args.jobs), desc="images", unit="image", dynamic_ncols=True) as bar:
         for batch in batches:
@@ -309,11 +311,8 @@ def generate_jobs(args: argparse.Namespace, pipe, stages: dict[str, float], star
             if len(batch) == args.batch_size:
                 full.add(key)
             try:
-                images, timings = generate_batch(
-                    pipe, [job.request for job in batch],
-                    pad_to=args.batch_size if key in full or args.mesh is not None else None,
-                    lora_slots=pipe.lora_slots, tiled_decode=args.tiled_decode, true_cfg=args.true_cfg,
-                    max_sequence_length=args.max_sequence_length)
+                images, timings = run_batch([job.request for job in batch],
+                                            pad_to=args.batch_size if key in full or args.mesh is not None else None)
                 for image, job in zip(images, batch, strict=True):
                     save_png(image, job.path)
             except Exception as e:  # this batch's lines fail; the others still run
@@ -335,19 +334,15 @@ def generate_jobs(args: argparse.Namespace, pipe, stages: dict[str, float], star
     return 1 if failed else 0
 
 
-def dry_run(args: argparse.Namespace, pipe, batches: list[list[Job]]) -> None:
-    """The first batch of each shape through the pipeline, for `compile_ahead`: its results are thrown away. A batch
-    that fails here is reported when it runs."""
-    from mxdit.model.requests import generate_batch
-
+def dry_run(run_batch, batches: list[list[Job]]) -> None:
+    """The first batch of each shape through `run_batch` (the loop's `generate_batch`), for `compile_ahead`: its
+    results are thrown away. A batch that fails here is reported when it runs."""
     first = {}
     for batch in batches:
         first.setdefault(batch[0].request.batch_key(), batch)
     for batch in first.values():
         try:
-            generate_batch(pipe, [job.request for job in batch], lora_slots=pipe.lora_slots,
-                           tiled_decode=args.tiled_decode, true_cfg=args.true_cfg,
-                           max_sequence_length=args.max_sequence_length)
+            run_batch([job.request for job in batch])
         except Exception:
             pass
 

@@ -178,7 +178,8 @@ def test_krea2_attention_kernels_in_the_model(record_property, wide_heads, atten
     if "mosaic" in attention and not capability.startswith("9."):
         pytest.skip(f"the Mosaic attention needs a Hopper GPU (compute capability 9.x), this is {capability!r}")
     if attention == "cudnn" and capability.startswith("gfx"):
-        pytest.skip(f"cuDNN is NVIDIA's library, this GPU is {capability!r}")
+        pytest.skip(f"cuDNN's attention runs on NVIDIA GPUs only (the models default to XLA's elsewhere); this GPU "
+                    f"is {capability!r}")
     cfg, state, args, expected = wide_heads
     model = Krea2Transformer(cfg, dtype=jnp.bfloat16, attention=attention, rngs=nnx.Rngs(0))
     # the same weights in the dtypes the bf16 model declares (its norms stay float32)

@@ -1,9 +1,9 @@
 """Time to the first image: a new process from its start to the PNG on disk, with a model folder (Krea 2 Turbo or
-FLUX.1-dev) of random full-size weights on local disk (written by diffusers' `save_pretrained`, so that both sides read the same files).
-Ours starts twice, the second time from the first one's compile caches (generate.py --compile-cache: XLA's cache
-and the serialized executables); diffusers' eager pipeline starts once. Beside them: the disk's read speed (dd) and
-our read of the transformer's weights into device memory, each after the page cache is dropped where the machine
-lets us."""
+FLUX.1-dev) of random full-size weights on local disk (written by diffusers' `save_pretrained`, so that both sides
+read the same files). Ours starts twice, the second time from the first one's compile caches (generate.py
+--compile-cache: XLA's cache and the serialized executables); diffusers' eager pipeline starts once. Beside them: the
+disk's read speed (dd) and our read of the transformer's weights into device memory, each after the page cache is
+dropped where the machine lets us."""
 
 from __future__ import annotations
 
@@ -77,7 +77,6 @@ def drop_page_cache() -> bool:
 def model_folder(args) -> tuple[Path | None, list[dict]]:
     """--model-folder, written first with random weights (`write_model`, in a subprocess) if it holds no model; and
     the rows of that. None where it could not be written."""
-    model_settings(args)
     folder = Path(args.model_folder)
     rows = []
     if not (folder / "model_index.json").is_file():
@@ -101,16 +100,15 @@ def first_image(args) -> None:
     common = ["--model", str(folder), *settings, "--overwrite"]
     with tempfile.TemporaryDirectory(prefix="mxdit-first-image-") as work:
         work = Path(work)
-        ours = common + ["--precision", args.precision, "--attention", args.attention, "--compile-cache",
-                         str(work / "cache")]
+        ours = common + ["--precision", args.precision, "--attention", args.attention, "--compile-cache"]
         for start in ("first", "second"):
             rows.append(emit(timed_start(f"mxdit {args.precision}, {start} start", [sys.executable, str(GENERATE)],
-                                         ours, work / f"mxdit_{start}.png")))
+                                         ours + [str(work / "cache")], work / f"mxdit_{start}.png")))
         if args.compile_ahead_too:  # a first start of its own, its programs compiled concurrently
-            ahead = common + ["--precision", args.precision, "--attention", args.attention, "--compile-cache",
-                              str(work / "cache_ahead"), "--compile-ahead"]
             rows.append(emit(timed_start(f"mxdit {args.precision}, first start, --compile-ahead",
-                                         [sys.executable, str(GENERATE)], ahead, work / "mxdit_ahead.png")))
+                                         [sys.executable, str(GENERATE)],
+                                         ours + [str(work / "cache_ahead"), "--compile-ahead"],
+                                         work / "mxdit_ahead.png")))
         if args.diffusers:
             rows.append(emit(timed_start("diffusers eager bf16", [sys.executable, str(CLI), "first-image-diffusers",
                                                                    "--model-folder", str(folder), "--model",
