@@ -52,10 +52,11 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--compile-cache", type=Path, default=default_compile_cache(),
                         help="compiled programs kept between runs, so that a second start skips tracing and "
                              "compiling ('' : off; default: $XDG_CACHE_HOME/mxdit/jax, or ~/.cache/mxdit/jax)")
-    parser.add_argument("--compile-ahead", action="store_true",
-                        help="compile the programs of the first run (generate.py) or of the warm-up (serve.py) "
-                             "first, concurrently, from a dry run of the pipeline (with --compile-cache, without "
-                             "--mesh); default: each when first needed")
+    parser.add_argument("--compile-ahead", action=argparse.BooleanOptionalAction, default=None,
+                        help="compile the programs of the first run (generate.py) or of the warm-up (serve.py "
+                             "--warmup) all at once and concurrently, from a dry run of the pipeline on its weights' "
+                             "shapes while the weights are read (default: on with --compile-cache and without --mesh; "
+                             "--no-compile-ahead: each program when first needed)")
     add_device_arguments(parser, "Krea 2 on several devices, e.g. data=2,seq=4,cfg=2 (axes data, cfg, seq, fsdp; "
                                  "default: one device)")
     parser.add_argument("--sequence-attention", choices=["ulysses", "ring"], default=None,
@@ -96,9 +97,12 @@ def check_model_arguments(parser: argparse.ArgumentParser, args: argparse.Namesp
                           offload=args.offload, prefetch=args.prefetch, fuse_loras=args.fuse_lora)
     if error is not None:
         parser.error(error)
-    if args.compile_ahead and (args.mesh is not None or str(args.compile_cache) in ("", ".")):
-        # its dry run returns zeros only from programs the store serves, and those run on one device
+    # The dry run returns zeros only from programs the store serves, and those run on one device.
+    can_compile_ahead = args.mesh is None and str(args.compile_cache) not in ("", ".")
+    if args.compile_ahead and not can_compile_ahead:
         parser.error("--compile-ahead: needs --compile-cache and runs without --mesh")
+    if args.compile_ahead is None:
+        args.compile_ahead = can_compile_ahead
     args.dtype = args.dtype or ("fp32" if args.demo else "bf16")
 
 

@@ -37,12 +37,8 @@ class CLIPTextConfig:
         return config_from_dict(cls, {k: v for k, v in data.items() if k in known}, str(path))
 
 
-def _activation(name: str):
-    if name == "quick_gelu":
-        return lambda x: x * jax.nn.sigmoid(1.702 * x)
-    if name == "gelu":
-        return lambda x: jax.nn.gelu(x, approximate=False)
-    raise ValueError(f"hidden_act={name!r} is not implemented")
+ACTIVATIONS = {"quick_gelu": lambda x: x * jax.nn.sigmoid(1.702 * x),
+               "gelu": lambda x: jax.nn.gelu(x, approximate=False)}
 
 
 class LayerNorm(nnx.Module):
@@ -78,12 +74,14 @@ class Attention(nnx.Module):
 
 class MLP(nnx.Module):
     def __init__(self, cfg: CLIPTextConfig, *, dtype, rngs):
-        self.act = _activation(cfg.hidden_act)
+        if cfg.hidden_act not in ACTIVATIONS:
+            raise ValueError(f"hidden_act={cfg.hidden_act!r} is not implemented")
+        self.hidden_act = cfg.hidden_act  # by name: a function in the module would put its address in program keys
         self.fc1 = Linear(cfg.hidden_size, cfg.intermediate_size, bias=True, dtype=dtype, rngs=rngs)
         self.fc2 = Linear(cfg.intermediate_size, cfg.hidden_size, bias=True, dtype=dtype, rngs=rngs)
 
     def __call__(self, x):
-        return self.fc2(self.act(self.fc1(x)))
+        return self.fc2(ACTIVATIONS[self.hidden_act](self.fc1(x)))
 
 
 class EncoderLayer(nnx.Module):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -116,6 +117,62 @@ def build_pipeline(model: str | Path | None, options: InferenceOptions = Inferen
     return prepare_pipeline(_load(model, options, getattr(jnp, options.dtype)), options)
 
 
+def shapes_known_first(model: str | Path | None, options: InferenceOptions) -> bool:
+    """Whether `pipeline_shapes` can build this pipeline: from a model folder, with nothing read from other files
+    into its weights (LoRAs, a quantized checkpoint) and on one device without streaming (no mesh, no offload)."""
+    return (model is not None and not options.loras and options.quantized is None and options.offload is None
+            and options.mesh is None)
+
+
+def pipeline_shapes(model: str | Path, options: InferenceOptions = InferenceOptions()) -> Krea2Pipeline | FluxPipeline:
+    """The pipeline `build_pipeline(model, options)` returns, holding `jax.ShapeDtypeStruct`s instead of weights
+    (`loading.shapes_only`): only the checkpoints' headers are read. Its programs are the real pipeline's, so a dry
+    run of it can compile them ahead (`programs.compile_ahead`) while the weights are read; it computes nothing
+    else. Only where `shapes_known_first` (ValueError otherwise); the checkpoint errors are `build_pipeline`'s."""
+    import jax.numpy as jnp
+
+    from .loading import shapes_only
+
+    if not shapes_known_first(model, options):
+        raise ValueError("pipeline_shapes: a model folder without LoRAs, a quantized checkpoint, offload or a mesh")
+    with shapes_only():
+        return prepare_pipeline(_load(model, options, getattr(jnp, options.dtype)), options)
+
+
+def build_pipeline_ahead(model: str | Path | None, options: InferenceOptions, dry_run: Callable[[object], object]
+                         ) -> tuple[Krea2Pipeline | FluxPipeline, dict[str, float]]:
+    """`build_pipeline(model, options)` with the programs that `dry_run(pipeline)` calls compiled ahead into the
+    active program store (`programs.compile_ahead`; without a store this is `build_pipeline`). Where the shapes are
+    known first (`shapes_known_first`) the dry run runs on `pipeline_shapes` while another thread reads the weights:
+    the compiles overlap the read. Returns the pipeline and the seconds of its stages: {"load and compile ahead"}
+    when they overlapped, else {"load", "compile ahead"}. A dry run's error is raised at once (the read goes on in
+    its thread until it ends, then is dropped)."""
+    import threading
+    import time
+    from concurrent.futures import Future
+
+    from .programs import active_store, compile_ahead
+
+    t0 = time.perf_counter()
+    if active_store() is None or not shapes_known_first(model, options):
+        pipe = build_pipeline(model, options)
+        loaded = time.perf_counter()
+        return pipe, {"load": loaded - t0, "compile ahead": compile_ahead(lambda: dry_run(pipe))}
+    shapes = pipeline_shapes(model, options)  # a folder that does not load fails here, before any read
+    pipe: Future = Future()
+
+    def read() -> None:
+        try:
+            pipe.set_result(build_pipeline(model, options))
+        except BaseException as e:  # raised in the caller's thread
+            pipe.set_exception(e)
+
+    # A daemon: a failed dry run ends the process without waiting for the read.
+    threading.Thread(target=read, name="mxdit-load", daemon=True).start()
+    compile_ahead(lambda: dry_run(shapes))
+    return pipe.result(), {"load and compile ahead": time.perf_counter() - t0}
+
+
 def prepare_pipeline(pipe: Krea2Pipeline | FluxPipeline, options: InferenceOptions = InferenceOptions()
                      ) -> Krea2Pipeline | FluxPipeline:
     """`build_pipeline`'s steps after the weights are read, on a pipeline built in memory (the benchmarks' models of
@@ -123,6 +180,7 @@ def prepare_pipeline(pipe: Krea2Pipeline | FluxPipeline, options: InferenceOptio
     stacked, offload, sharding. Returns the pipeline (offload and sharding return a new one)."""
     import jax.numpy as jnp
 
+    from .loading import holds_shapes
     from .pipeline_flux import FluxPipeline
     from .pipelines import prepare_transformer
 
@@ -147,7 +205,16 @@ def prepare_pipeline(pipe: Krea2Pipeline | FluxPipeline, options: InferenceOptio
         apply_loras(pipe.transformer, options.loras, fuse=options.fuse_loras)
     # Quantized here for the demo, or after fusing LoRAs (the fused weights are what gets quantized); Q/K/V(/gate,
     # /MLP) and gate/up as one product each (not the layers with run-time LoRAs).
-    prepare_transformer(pipe.transformer, options.precision, stack=options.stack and options.mesh is None)
+    stack = options.stack and options.mesh is None
+    if holds_shapes(pipe.transformer):  # `pipeline_shapes`: the same steps on the shapes
+        from flax import nnx
+
+        from .loading import on_default_device
+
+        pipe.transformer = on_default_device(nnx.eval_shape(
+            lambda transformer: prepare_transformer(transformer, options.precision, stack=stack), pipe.transformer))
+    else:
+        prepare_transformer(pipe.transformer, options.precision, stack=stack)
     if options.offload is not None:
         from .offload import offload_pipeline
 

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import jax
+import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 from flax import nnx
@@ -471,6 +472,37 @@ def placed(key: str, value):
     return value if place is None else place(key, value)
 
 
+_SHAPES_ONLY: contextvars.ContextVar[bool] = contextvars.ContextVar("shapes_only", default=False)
+
+
+@contextlib.contextmanager
+def shapes_only():
+    """While active, in this thread, `load_state` reads no tensor: it checks the checkpoint as a load does and returns
+    the module holding `jax.ShapeDtypeStruct`s, each as the load would leave that parameter (cast, then through the
+    active `place_parameters`, e.g. quantized), on the default device. Programs can be lowered for such a module
+    (`model.programs.compile_ahead`) while the weights are still being read."""
+    token = _SHAPES_ONLY.set(True)
+    try:
+        yield
+    finally:
+        _SHAPES_ONLY.reset(token)
+
+
+def on_default_device(module: nnx.Module) -> nnx.Module:
+    """`module`'s `jax.ShapeDtypeStruct`s placed as `jax.device_put` places an array: on the default device. A
+    program lowered for them is the one the loaded module's arrays call."""
+    sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    graphdef, state = nnx.split(module)
+    state = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding, weak_type=x.weak_type)
+                         if isinstance(x, jax.ShapeDtypeStruct) else x, state)
+    return nnx.merge(graphdef, state)
+
+
+def holds_shapes(module: nnx.Module) -> bool:
+    """Whether `module` holds `jax.ShapeDtypeStruct`s (`shapes_only`, `nnx.eval_shape`) instead of arrays."""
+    return any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(nnx.state(module)))
+
+
 def load_state(build: Callable[[], nnx.Module], keys: KeyMap, *, source: str = "checkpoint") -> nnx.Module:
     """Build the module returned by `build()` with its parameters read from the checkpoint of `keys`, as `keys` maps
     them (see `KeyMap`; `plan_load` does all the checking, with `source` naming the file in its error).
@@ -482,6 +514,8 @@ def load_state(build: Callable[[], nnx.Module], keys: KeyMap, *, source: str = "
     abstract = nnx.eval_shape(build)
     plan = plan_load(abstract, keys)
     plan.raise_problems(source)
+    if _SHAPES_ONLY.get():
+        return on_default_device(nnx.eval_shape(lambda: _placed_zeros(build())))
     graphdef, state = nnx.split(abstract)
     flat = nnx.to_flat_state(state)
 
@@ -502,6 +536,14 @@ def load_state(build: Callable[[], nnx.Module], keys: KeyMap, *, source: str = "
         variable.set_value(placed(name, value))
         del array
     return nnx.merge(graphdef, nnx.from_flat_state(flat))
+
+
+def _placed_zeros(module: nnx.Module) -> nnx.Module:
+    """`module` (being traced) with each parameter as `load_state` would place a tensor of its shape and dtype."""
+    for path, variable in nnx.to_flat_state(nnx.state(module)):
+        want = variable.get_value()
+        variable.set_value(placed(module_key(path), jnp.zeros(want.shape, want.dtype)))
+    return module
 
 
 def read_ahead(items: Sequence[T], read: Callable[[T], Any], depth: int = READ_AHEAD,

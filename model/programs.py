@@ -285,9 +285,12 @@ def _one_device(program) -> bool:
 def _runs_when_loaded(payload: bytes, in_tree, out_tree, device, dynamic: Sequence) -> bool:
     """Whether the serialized executable loads and runs. XLA:CPU can compile a program that calls kernels an earlier
     program of the process compiled, which its serialized form then lacks ("Function ... not found" when run): such a
-    file is not kept. Run once on the call's arguments, on the CPU only, where the programs are small."""
+    file is not kept. Run once on the call's arguments (zeros for those given as shapes: `pipeline_shapes`), on the
+    CPU only, where the programs are small."""
     from jax.experimental.serialize_executable import deserialize_and_load
 
+    dynamic = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype, device=x.sharding)
+                           if isinstance(x, jax.ShapeDtypeStruct) else x, dynamic)
     try:
         program = deserialize_and_load(payload, in_tree, out_tree, execution_devices=[device])
         jax.block_until_ready(program(*dynamic))

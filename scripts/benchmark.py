@@ -185,8 +185,8 @@ def _add_pipeline_commands(sub) -> None:
         p = sub.add_parser(name, help=_help(name, "first-image", "process start to the PNG, ours and diffusers'"))
         _benchmark_model_arguments(p)
         p.add_argument("--output", default=None, help="the diffusers half's PNG")
-        p.add_argument("--compile-ahead-too", action="store_true",
-                       help="also a first start of generate.py --compile-ahead (its own fresh caches)")
+        p.add_argument("--one-by-one-too", action="store_true",
+                       help="also a first and a second start of generate.py --no-compile-ahead (their own caches)")
     for name in ("throughput", "throughput-jax", "throughput-diffusers"):
         p = sub.add_parser(name, help=_help(name, "throughput", "warm images per second by batch size"))
         _benchmark_model_arguments(p)

@@ -203,10 +203,9 @@ def generate(args: argparse.Namespace, started: float) -> int:
     import jax
     from tqdm import tqdm
 
-    from mxdit.model.inference import build_pipeline
+    from mxdit.model.inference import build_pipeline, build_pipeline_ahead
     from mxdit.model.loading import CheckpointError
-    from mxdit.model.pipeline_flux import FluxPipeline
-    from mxdit.model.programs import compile_ahead
+    from mxdit.model.requests import group_batches
 
     for line, error in args.bad_lines:  # before the model loads: the user sees them at once
         print(f"generate.py: --prompts {args.prompts} line {line}: {error}", file=sys.stderr)
@@ -214,33 +213,42 @@ def generate(args: argparse.Namespace, started: float) -> int:
         return 1
     t0 = time.perf_counter()
     stages = {"start-up": t0 - started}  # parsing, importing jax and mxdit
+    batches = list(group_batches(args.jobs, args.batch_size, key=lambda job: job.request.batch_key()))
+
+    stage = ["loading the model"]  # what an out-of-memory error interrupted
+
+    def dry_run(pipe) -> None:
+        """The first run's pipeline calls, whose programs --compile-ahead compiles (the results are thrown away)."""
+        stage[0] = "generating"
+        if args.prompts:
+            first_batches(batch_runner(args, pipe), batches)
+        else:
+            image_call(args, pipe)[0](callback=(lambda *_: None) if args.progress else None)
+        stage[0] = "loading the model"  # the read may still go on
+
     try:
         options = inference_options(args, mesh_from_arguments(args), swap_loras=args.prompts is not None)
         if args.demo:
             print("mxdit demo: tiny Krea 2-shaped model with RANDOM weights -- the image is noise, not a picture.")
-        pipe = build_pipeline(None if args.demo else args.model, options)
+        model = None if args.demo else args.model
+        if args.compile_ahead:
+            pipe, loading = build_pipeline_ahead(model, options, dry_run)
+        else:
+            pipe, loading = build_pipeline(model, options), {}
     except (CheckpointError, ValueError) as e:
         print(f"generate.py: error: {e}", file=sys.stderr)
         return 2
     except jax.errors.JaxRuntimeError as e:
-        if (message := out_of_memory_message(e, "loading the model", args)) is None:
+        if (message := out_of_memory_message(e, stage[0], args)) is None:
             raise
         print(message, file=sys.stderr)
         return 2
     loaded = time.perf_counter()  # the stages follow each other without gaps: their sum is the total
-    stages["load"] = loaded - t0
+    stages.update(loading or {"load": loaded - t0})
 
     if args.prompts:
-        return generate_jobs(args, pipe, stages, started)
-    flux = isinstance(pipe, FluxPipeline)
-    steps = args.steps or ((28 if pipe.is_dev else 4) if flux else pipe.config.default_steps)
-    options = dict(guidance_scale=3.5 if args.guidance is None else args.guidance, true_cfg_scale=args.true_cfg) if flux \
-        else dict(guidance_scale=args.guidance)
-    if args.max_sequence_length:
-        options["max_sequence_length"] = args.max_sequence_length
-    call = functools.partial(pipe, args.prompt, args.negative_prompt, height=args.height, width=args.width,
-                             num_inference_steps=steps, num_images_per_prompt=args.num_images, seed=args.seed,
-                             tiled_decode=args.tiled_decode, **options)
+        return generate_jobs(args, pipe, batches, stages, started)
+    call, steps = image_call(args, pipe)
     with tqdm(total=steps, desc="denoise", unit="step", disable=not args.progress) as bar:
         def on_step(i, t, latents):
             jax.block_until_ready(latents)  # so the bar moves with the device, not with dispatch
@@ -249,9 +257,6 @@ def generate(args: argparse.Namespace, started: float) -> int:
         if not args.progress:
             print(f"denoising: {steps} steps")
         try:
-            if args.compile_ahead:
-                stages["compile ahead"] = compile_ahead(
-                    lambda: call(callback=(lambda *_: None) if args.progress else None))
             # Without a per-step callback the pipelines run all steps as one program (no host round trip).
             out = call(callback=on_step if args.progress else None)
         except ValueError as e:
@@ -269,12 +274,36 @@ def generate(args: argparse.Namespace, started: float) -> int:
     done = time.perf_counter()
     pipeline_stages = {k: v for k, v in out.timings.items() if k != "total"}
     # what the pipeline's stages leave out: noise, schedule, the progress bar
-    other = generated - loaded - stages.get("compile ahead", 0.0) - sum(pipeline_stages.values())
+    other = generated - loaded - sum(pipeline_stages.values())
     stages.update(pipeline_stages)
     stages["other"] = other
     stages["write"] = done - generated
     print_stages({**stages, "total": done - started})
     return 0
+
+
+def image_call(args: argparse.Namespace, pipe):
+    """--prompt's pipeline call (all but its `callback`) and its number of steps."""
+    from mxdit.model.pipeline_flux import FluxPipeline
+
+    flux = isinstance(pipe, FluxPipeline)
+    steps = args.steps or ((28 if pipe.is_dev else 4) if flux else pipe.config.default_steps)
+    options = dict(guidance_scale=3.5 if args.guidance is None else args.guidance, true_cfg_scale=args.true_cfg) if flux \
+        else dict(guidance_scale=args.guidance)
+    if args.max_sequence_length:
+        options["max_sequence_length"] = args.max_sequence_length
+    call = functools.partial(pipe, args.prompt, args.negative_prompt, height=args.height, width=args.width,
+                             num_inference_steps=steps, num_images_per_prompt=args.num_images, seed=args.seed,
+                             tiled_decode=args.tiled_decode, **options)
+    return call, steps
+
+
+def batch_runner(args: argparse.Namespace, pipe):
+    """--prompts' call of a batch: `generate_batch` on `pipe` with the flags' settings."""
+    from mxdit.model.requests import generate_batch
+
+    return functools.partial(generate_batch, pipe, lora_slots=pipe.lora_slots, tiled_decode=args.tiled_decode,
+                             true_cfg=args.true_cfg, max_sequence_length=args.max_sequence_length)
 
 
 def print_stages(stages: dict[str, float]) -> None:
@@ -284,26 +313,20 @@ def print_stages(stages: dict[str, float]) -> None:
         print(f"{stage:<14}{seconds:9.3f}")
 
 
-def generate_jobs(args: argparse.Namespace, pipe, stages: dict[str, float], started: float) -> int:
-    """--prompts: the jobs in batches of one shape (the last batch of a shape padded to --batch-size, so that all run
-    one program), each PNG written as its batch ends; a batch that fails is reported by its lines and the others go
-    on. Returns 0, or 1 when any line failed."""
+def generate_jobs(args: argparse.Namespace, pipe, batches: list[list[Job]], stages: dict[str, float],
+                  started: float) -> int:
+    """--prompts: the jobs in `batches` (of one shape each; the last batch of a shape padded to --batch-size, so that
+    all run one program), each PNG written as its batch ends; a batch that fails is reported by its lines and the
+    others go on. Returns 0, or 1 when any line failed."""
     import jax
     from tqdm import tqdm
-
-    from mxdit.model.programs import compile_ahead
-    from mxdit.model.requests import generate_batch, group_batches
 
     failed = [line for line, _ in args.bad_lines]
     # The batch keys that have run a full batch: their last, shorter batch is padded to the same shape. On a mesh
     # every batch is: its data axis splits the batch.
     full = set()
     totals: dict[str, float] = {}
-    batches = list(group_batches(args.jobs, args.batch_size, key=lambda job: job.request.batch_key()))
-    run_batch = functools.partial(generate_batch, pipe, lora_slots=pipe.lora_slots, tiled_decode=args.tiled_decode,
-                                  true_cfg=args.true_cfg, max_sequence_length=args.max_sequence_length)
-    if args.compile_ahead:
-        stages["compile ahead"] = compile_ahead(lambda: dry_run(run_batch, batches))
+    run_batch = batch_runner(args, pipe)
     t0 = time.perf_counter()
     with tqdm(total=len(args.jobs), desc="images", unit="image", dynamic_ncols=True) as bar:
         for batch in batches:
@@ -334,8 +357,8 @@ def generate_jobs(args: argparse.Namespace, pipe, stages: dict[str, float], star
     return 1 if failed else 0
 
 
-def dry_run(run_batch, batches: list[list[Job]]) -> None:
-    """The first batch of each shape through `run_batch` (the loop's `generate_batch`), for `compile_ahead`: its
+def first_batches(run_batch, batches: list[list[Job]]) -> None:
+    """The first batch of each shape through `run_batch` (`batch_runner`), for --compile-ahead's dry run: its
     results are thrown away. A batch that fails here is reported when it runs."""
     first = {}
     for batch in batches:

@@ -52,9 +52,9 @@ def parse_args(argv=None) -> argparse.Namespace:
 
     parser = build_parser()
     args = parser.parse_args(argv)
-    check_model_arguments(parser, args)
     if args.compile_ahead and not args.warmup:
         parser.error("--compile-ahead: with --warmup, whose programs it compiles")
+    check_model_arguments(parser, args)
     for name in ("max_batch", "max_queue", "keep_images"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} {getattr(args, name)}: must be >= 1")
@@ -94,9 +94,8 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     from aiohttp import web
 
-    from mxdit.model.inference import build_pipeline
+    from mxdit.model.inference import build_pipeline, build_pipeline_ahead
     from mxdit.model.loading import CheckpointError
-    from mxdit.model.programs import compile_ahead
     from mxdit.model.requests import generate_batch
     from mxdit.server import GenerationServer, ServerConfig, padded_batch_size
 
@@ -104,29 +103,32 @@ def main(argv=None) -> int:
                           batch_wait_s=args.batch_wait_ms / 1000, keep_images=args.keep_images,
                           output_dir=args.output_dir, tiled_decode=args.tiled_decode, true_cfg=args.true_cfg,
                           max_sequence_length=args.max_sequence_length, sizes=args.size_pairs)
+    shapes = args.size_pairs or ((args.defaults.height, args.defaults.width),)
+    # --warmup: the default request at every served size and batch size
+    batches = [[dataclasses.replace(args.defaults, prompt="warm-up", height=height, width=width)] * size
+               for (height, width), size in itertools.product(shapes, sorted(
+                   {padded_batch_size(n, args.max_batch, args.min_batch) for n in range(1, args.max_batch + 1)}))]
+
+    def warm_up(pipe):
+        for batch in batches:
+            _, timings = generate_batch(pipe, batch, tiled_decode=args.tiled_decode, true_cfg=args.true_cfg,
+                                        max_sequence_length=args.max_sequence_length)
+            yield batch, timings
+
     with compile_caches(args.compile_cache) as store:
         try:
             options = inference_options(args, mesh_from_arguments(args), swap_loras=True)
-            pipe = build_pipeline(None if args.demo else args.model, options)
+            model = None if args.demo else args.model
+            if args.warmup and args.compile_ahead:
+                pipe, stages = build_pipeline_ahead(model, options, lambda pipeline: list(warm_up(pipeline)))
+                print("loaded, warm-up programs compiled ahead: " + ", ".join(f"{k} {v:.1f} s" for k, v in stages.items()))
+            else:
+                pipe = build_pipeline(model, options)
         except (CheckpointError, ValueError) as e:
             print(f"serve.py: error: {e}", file=sys.stderr)
             return 2
         if args.warmup:
-            shapes = args.size_pairs or ((args.defaults.height, args.defaults.width),)
-            batches = [[dataclasses.replace(args.defaults, prompt="warm-up", height=height, width=width)] * size
-                       for (height, width), size in itertools.product(shapes, sorted(
-                           {padded_batch_size(n, args.max_batch, args.min_batch) for n in range(1, args.max_batch + 1)}))]
-
-            def warm_up():
-                for batch in batches:
-                    _, timings = generate_batch(pipe, batch, tiled_decode=args.tiled_decode, true_cfg=args.true_cfg,
-                                                max_sequence_length=args.max_sequence_length)
-                    yield batch, timings
-
-            if args.compile_ahead:
-                seconds = compile_ahead(lambda: list(warm_up()))
-                print(f"warm-up: {len(batches)} shapes' programs lowered in {seconds:.1f} s, compiling concurrently")
-            for batch, timings in warm_up():
+            for batch, timings in warm_up(pipe):
                 print(f"warm-up: {batch[0].height}x{batch[0].width}, batch {len(batch)} in {timings['total']:.1f} s")
         server = GenerationServer(pipe, config, args.defaults, program_store=store,
                                   model_name="demo" if args.demo else args.model.name)

@@ -2,6 +2,7 @@
 under keys that change with anything that changes the program; generate.py's second start loads them all."""
 
 import functools
+import json
 import os
 import subprocess
 import sys
@@ -13,6 +14,8 @@ import numpy as np
 import pytest
 
 from conftest import FIXTURES
+from flax import nnx
+
 from mxdit.model.programs import ProgramStore, stored_jit, use_program_store
 
 TRACES = []
@@ -76,7 +79,8 @@ def test_a_damaged_file_is_compiled_again_and_replaced(tmp_path):
 
 def test_generate_second_start_loads_every_program_and_writes_the_same_image(tmp_path):
     """Two processes, as a user runs generate.py twice: the second loads the four programs the first stored. The first
-    compiles them ahead (a dry run's zeros would show in its image)."""
+    compiles them ahead on the weights' shapes while the weights are read (a dry run's zeros would show in its
+    image)."""
     common = [sys.executable, str(Path(__file__).parent.parent / "scripts" / "generate.py"), "--model",
               str(FIXTURES / "krea2" / "tiny_pipeline"), "--prompt", "a cat", "--height", "64", "--width", "64",
               "--steps", "2", "--dtype", "fp32", "--max-sequence-length", "16", "--compile-cache",
@@ -84,10 +88,9 @@ def test_generate_second_start_loads_every_program_and_writes_the_same_image(tmp
     outputs = []
     for start in ("first", "second"):
         outputs.append(tmp_path / f"{start}.png")
-        ahead = ["--compile-ahead"] if start == "first" else []
-        proc = subprocess.run(common + ahead + ["--output", str(outputs[-1])], capture_output=True, text=True,
-                              timeout=600)
+        proc = subprocess.run(common + ["--output", str(outputs[-1])], capture_output=True, text=True, timeout=600)
         assert proc.returncode == 0, proc.stderr[-2000:]
+        assert "load and compile ahead" in proc.stdout, proc.stdout
         summary = next(line for line in proc.stdout.splitlines() if line.startswith("executables:"))
         # text encoder, the transformer's text stage, the denoising loop, the VAE decoder
         expected = "0 loaded (0.0 s), 4 compiled and stored" if start == "first" else "4 loaded"
@@ -227,3 +230,58 @@ def test_a_pipeline_compiled_ahead_gives_the_same_images_and_compiles_nothing_mo
     assert store.stats.compiled == 4
     np.testing.assert_array_equal(ahead.images, plain.images)
     assert compile_ahead(call) == 0.0  # no store: nothing is called
+
+
+@pytest.mark.parametrize("model", ["krea2", pytest.param("flux", marks=pytest.mark.slow)])
+def test_programs_compiled_ahead_on_the_shapes_are_those_the_loaded_pipeline_runs(tmp_path, model):
+    """`build_pipeline_ahead`: the dry run on `pipeline_shapes` (weights quantized to fp8 as they load) while the
+    weights are read reaches the four programs; the loaded pipeline then compiles none, and its images equal those
+    of a pipeline built and run without a store. No program's key holds an object's address (a new process would
+    never meet it again)."""
+    from mxdit.model.inference import InferenceOptions, build_pipeline, build_pipeline_ahead
+
+    folder = FIXTURES / model / "tiny_pipeline"
+    options = InferenceOptions(dtype="float32", precision="fp8")
+
+    def call(pipe):
+        return pipe(["a cat", "a red fox"], height=64, width=64, num_inference_steps=2, seed=[1, 2],
+                    max_sequence_length=16, output_type="np")
+
+    plain = call(build_pipeline(folder, options))
+    with use_program_store(tmp_path) as store:
+        pipe, stages = build_pipeline_ahead(folder, options, call)
+        programs = dict(store._programs)
+        ahead = call(pipe)
+    assert list(stages) == ["load and compile ahead"]
+    assert len(programs) == 4 and store._programs.keys() == programs.keys() and store.stats.compiled == 4
+    assert not [memo[0] for memo in programs if " at 0x" in str(memo[1])]
+    np.testing.assert_array_equal(ahead.images, plain.images)
+
+
+def test_pipeline_shapes_read_no_weights_and_fail_as_the_load_does(tmp_path):
+    """The shapes of a folder's pipeline are its parameters' after loading (quantized on load where `precision`
+    says); a folder that does not load raises the load's own error; LoRAs or streaming are not known from shapes."""
+    import shutil
+
+    from mxdit.model.inference import InferenceOptions, build_pipeline, pipeline_shapes, shapes_known_first
+    from mxdit.model.loading import CheckpointError, holds_shapes
+
+    folder = FIXTURES / "krea2" / "tiny_pipeline"
+    shapes = pipeline_shapes(folder, InferenceOptions(dtype="float32", precision="fp8"))
+    assert holds_shapes(shapes.transformer) and holds_shapes(shapes.text_encoder) and holds_shapes(shapes.vae)
+    leaves = jax.tree.leaves(nnx.state(shapes.transformer))
+    assert {leaf.sharding for leaf in leaves} == {jax.sharding.SingleDeviceSharding(jax.devices()[0])}
+    assert jnp.dtype(jnp.float8_e4m3fn) in {leaf.dtype for leaf in leaves}  # the blocks' matrices as fp8 kernel weights
+    assert not shapes_known_first(folder, InferenceOptions(offload=2))
+    assert not shapes_known_first(None, InferenceOptions())
+    with pytest.raises(ValueError, match="pipeline_shapes"):
+        pipeline_shapes(folder, InferenceOptions(loras=[(tmp_path / "style.safetensors", 1.0)]))
+    broken = tmp_path / "broken"
+    shutil.copytree(folder, broken)
+    config = json.loads((folder / "transformer" / "config.json").read_text())
+    (broken / "transformer" / "config.json").write_text(json.dumps({**config, "num_layers": config["num_layers"] + 1}))
+    with pytest.raises(CheckpointError) as shapes_error:
+        pipeline_shapes(broken, InferenceOptions(dtype="float32"))
+    with pytest.raises(CheckpointError) as load_error:
+        build_pipeline(broken, InferenceOptions(dtype="float32"))
+    assert str(shapes_error.value) == str(load_error.value)

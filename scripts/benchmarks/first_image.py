@@ -3,7 +3,8 @@ FLUX.1-dev) of random full-size weights on local disk (written by diffusers' `sa
 read the same files). Ours starts twice, the second time from the first one's compile caches (generate.py
 --compile-cache: XLA's cache and the serialized executables); diffusers' eager pipeline starts once. Beside them: the
 disk's read speed (dd) and our read of the transformer's weights into device memory, each after the page cache is
-dropped where the machine lets us."""
+dropped where the machine lets us. `--one-by-one-too` adds two starts with --no-compile-ahead (the first one's
+programs compiled each when first needed; the second's denoise is then the warm speed of those programs)."""
 
 from __future__ import annotations
 
@@ -101,14 +102,13 @@ def first_image(args) -> None:
     with tempfile.TemporaryDirectory(prefix="mxdit-first-image-") as work:
         work = Path(work)
         ours = common + ["--precision", args.precision, "--attention", args.attention, "--compile-cache"]
-        for start in ("first", "second"):
-            rows.append(emit(timed_start(f"mxdit {args.precision}, {start} start", [sys.executable, str(GENERATE)],
-                                         ours + [str(work / "cache")], work / f"mxdit_{start}.png")))
-        if args.compile_ahead_too:  # a first start of its own, its programs compiled concurrently
-            rows.append(emit(timed_start(f"mxdit {args.precision}, first start, --compile-ahead",
-                                         [sys.executable, str(GENERATE)],
-                                         ours + [str(work / "cache_ahead"), "--compile-ahead"],
-                                         work / "mxdit_ahead.png")))
+        starts = [("first start", "cache", []), ("second start", "cache", [])]
+        if args.one_by_one_too:  # programs compiled as first needed: the start, and the warm speed of its programs
+            starts += [("first start, --no-compile-ahead", "cache_one_by_one", ["--no-compile-ahead"]),
+                       ("second start, --no-compile-ahead", "cache_one_by_one", ["--no-compile-ahead"])]
+        for i, (start, cache, extra) in enumerate(starts):
+            rows.append(emit(timed_start(f"mxdit {args.precision}, {start}", [sys.executable, str(GENERATE)],
+                                         ours + [str(work / cache), *extra], work / f"mxdit_{i}.png")))
         if args.diffusers:
             rows.append(emit(timed_start("diffusers eager bf16", [sys.executable, str(CLI), "first-image-diffusers",
                                                                    "--model-folder", str(folder), "--model",
