@@ -139,14 +139,15 @@ def pipeline_shapes(model: str | Path, options: InferenceOptions = InferenceOpti
         return prepare_pipeline(_load(model, options, getattr(jnp, options.dtype)), options)
 
 
-def build_pipeline_ahead(model: str | Path | None, options: InferenceOptions, dry_run: Callable[[object], object]
-                         ) -> tuple[Krea2Pipeline | FluxPipeline, dict[str, float]]:
+def build_pipeline_ahead(model: str | Path | None, options: InferenceOptions, dry_run: Callable[[object], object],
+                         run: str | None = None) -> tuple[Krea2Pipeline | FluxPipeline, dict[str, float]]:
     """`build_pipeline(model, options)` with the programs that `dry_run(pipeline)` calls compiled ahead into the
-    active program store (`programs.compile_ahead`; without a store this is `build_pipeline`). Where the shapes are
-    known first (`shapes_known_first`) the dry run runs on `pipeline_shapes` while another thread reads the weights:
-    the compiles overlap the read. Returns the pipeline and the seconds of its stages: {"load and compile ahead"}
-    when they overlapped, else {"load", "compile ahead"}. A dry run's error is raised at once (the read goes on in
-    its thread until it ends, then is dropped)."""
+    active program store (`programs.compile_ahead`; without a store, or when the store holds every program of `run`
+    (`ProgramStore.stored_run`), this is `build_pipeline`). Where the shapes are known first (`shapes_known_first`)
+    the dry run runs on `pipeline_shapes` while another thread reads the weights: the compiles overlap the read.
+    Returns the pipeline and the seconds of its stages: {"load and compile ahead"} when they overlapped, else
+    {"load", "compile ahead"} ({"load"} alone without a dry run). A dry run's error is raised at once (the read goes
+    on in its thread until it ends, then is dropped)."""
     import threading
     import time
     from concurrent.futures import Future
@@ -154,7 +155,11 @@ def build_pipeline_ahead(model: str | Path | None, options: InferenceOptions, dr
     from .programs import active_store, compile_ahead
 
     t0 = time.perf_counter()
-    if active_store() is None or not shapes_known_first(model, options):
+    store = active_store()
+    if store is None or (run is not None and store.stored_run(run)):
+        pipe = build_pipeline(model, options)
+        return pipe, {"load": time.perf_counter() - t0}
+    if not shapes_known_first(model, options):
         pipe = build_pipeline(model, options)
         loaded = time.perf_counter()
         return pipe, {"load": loaded - t0, "compile ahead": compile_ahead(lambda: dry_run(pipe))}

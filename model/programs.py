@@ -10,7 +10,8 @@ A first start compiles the stages of a pipeline concurrently: in `ProgramStore.a
 of a shape does not run. It is lowered in the calling thread and compiled on a pool of threads (a stored one is
 loaded in the calling thread), and returns zeros of its outputs' shapes, so that a dry run of the pipeline
 (`compile_ahead`) reaches every program while the earlier ones compile. The real call that follows waits for each
-program as it needs it.
+program as it needs it. A run that recorded its programs (`ProgramStore.note_run`) and finds them all stored skips
+the dry run: it would only load them.
 
 A stored program is keyed by everything that decides what it computes and where it runs: the function's name, its
 static arguments, the inputs' tree structure (which holds a module's config, dtype, attention kernel and
@@ -28,6 +29,7 @@ import hashlib
 import importlib
 import importlib.metadata
 import inspect
+import json
 import os
 import pickle
 import threading
@@ -72,6 +74,7 @@ class ProgramStore:
         self._pruned = False
         self._outputs: dict = {}  # a compiling program's output shapes, for the zeros it returns ahead
         self._pool: ThreadPoolExecutor | None = None
+        self._served: set[str] = set()  # the stored programs' file names this process loaded or wrote
 
     @contextlib.contextmanager
     def ahead(self) -> Iterator[ProgramStore]:
@@ -95,11 +98,38 @@ class ProgramStore:
         if pool is not None:
             pool.shutdown(wait=False, cancel_futures=True)
 
+    def _run_path(self, run: str) -> Path:
+        digest = hashlib.sha256(f"{self.environment()}\nrun {run}".encode()).hexdigest()
+        return self.folder / "runs" / f"{digest[:32]}.json"
+
+    def stored_run(self, run: str) -> bool:
+        """Whether a run described by `run` (the settings that choose its programs, e.g. the model, precision, image
+        size and batch) was recorded (`note_run`) in this environment and every program it used is still stored:
+        compiling ahead would then only load them, and its dry run would slow the weights' read."""
+        try:
+            names = json.loads(self._run_path(run).read_text())
+        except (OSError, ValueError):
+            return False
+        return bool(names) and all((self.folder / name).is_file() for name in names)
+
+    def note_run(self, run: str) -> None:
+        """Record that the run `run` used the programs this store has loaded or written in this process."""
+        with self._lock:
+            names = sorted(self._served)
+        if not names:
+            return
+        path = self._run_path(run)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            write_atomically(path, lambda tmp: tmp.write_text(json.dumps(names)))
+        except OSError:  # a read-only store: the next start compiles ahead again
+            pass
+
     def prune(self, unused_days: float = UNUSED_DAYS) -> int:
-        """Delete the stored programs not loaded or written for `unused_days` (another jax, another version of this
-        code, a size no longer asked for: their keys are never met again); returns how many."""
+        """Delete the stored programs and run records not loaded or written for `unused_days` (another jax, another
+        version of this code, a size no longer asked for: their keys are never met again); returns how many."""
         cutoff, removed = time.time() - unused_days * 86400, 0
-        for path in self.folder.glob(f"*{SUFFIX}"):
+        for path in [*self.folder.glob(f"*{SUFFIX}"), *self.folder.glob("runs/*.json")]:
             try:
                 if path.stat().st_mtime < cutoff:
                     path.unlink()
@@ -188,6 +218,7 @@ class ProgramStore:
                 program = deserialize_and_load(payload, in_tree, out_tree, execution_devices=[device])
                 self._outputs[memo] = _with_weak_types(program.out_info, out_weak)
                 with self._lock:
+                    self._served.add(path.name)
                     self.stats.loaded += 1
                     self.stats.load_s += time.perf_counter() - t0
                 try:
@@ -239,6 +270,8 @@ class ProgramStore:
                 self.prune()
             write_atomically(path, lambda tmp: tmp.write_bytes(
                 pickle.dumps((FORMAT, out_tree, payload, device.id, out_weak))))
+            with self._lock:
+                self._served.add(path.name)
         except OSError as e:  # a full disk or a read-only store: the program still runs in this process
             self._note(path, f"not stored: {e}")
         return compiled

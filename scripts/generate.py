@@ -191,6 +191,8 @@ def main(argv=None) -> int:
 
     with CompileLog() as compiles, compile_caches(args.compile_cache) as store:
         code = generate(args, started)
+        if code == 0 and store is not None:
+            store.note_run(run_description(args))
     if code in (0, 1):  # 1: some --prompts lines failed, the others ran
         if store is not None:
             print(store.summary())
@@ -232,7 +234,7 @@ def generate(args: argparse.Namespace, started: float) -> int:
             print("mxdit demo: tiny Krea 2-shaped model with RANDOM weights -- the image is noise, not a picture.")
         model = None if args.demo else args.model
         if args.compile_ahead:
-            pipe, loading = build_pipeline_ahead(model, options, dry_run)
+            pipe, loading = build_pipeline_ahead(model, options, dry_run, run=run_description(args))
         else:
             pipe, loading = build_pipeline(model, options), {}
     except (CheckpointError, ValueError) as e:
@@ -280,6 +282,18 @@ def generate(args: argparse.Namespace, started: float) -> int:
     stages["write"] = done - generated
     print_stages({**stages, "total": done - started})
     return 0
+
+
+def run_description(args: argparse.Namespace) -> str:
+    """The settings that choose this run's programs, not the prompts' words, seeds or file names: a later run with the
+    same ones finds its programs stored (`ProgramStore.stored_run`) and need not compile ahead."""
+    skip = {"prompt", "prompts", "negative_prompt", "seed", "output", "outputs", "overwrite", "jobs", "bad_lines",
+            "compile_cache", "compile_ahead"}
+    settings = {k: str(v) for k, v in vars(args).items() if k not in skip}
+    settings.update(model=str(args.model.resolve()) if args.model else "demo", images=len(args.prompt or ()),
+                    negative_prompt=args.negative_prompt is not None,
+                    batches=sorted({repr(job.request.batch_key()) for job in args.jobs}))
+    return repr(sorted(settings.items()))
 
 
 def image_call(args: argparse.Namespace, pipe):

@@ -115,12 +115,16 @@ def main(argv=None) -> int:
                                         max_sequence_length=args.max_sequence_length)
             yield batch, timings
 
+    # The settings that choose the warm-up's programs: a later start with the same ones finds them stored.
+    served = {"host", "port", "output_dir", "compile_cache", "compile_ahead", "keep_images", "max_queue", "batch_wait_ms"}
+    run = repr(sorted([(k, str(v)) for k, v in vars(args).items() if k not in served]
+                      + [("model", str(args.model.resolve()) if args.model else "demo")]))
     with compile_caches(args.compile_cache) as store:
         try:
             options = inference_options(args, mesh_from_arguments(args), swap_loras=True)
             model = None if args.demo else args.model
             if args.warmup and args.compile_ahead:
-                pipe, stages = build_pipeline_ahead(model, options, lambda pipeline: list(warm_up(pipeline)))
+                pipe, stages = build_pipeline_ahead(model, options, lambda pipeline: list(warm_up(pipeline)), run=run)
                 print("loaded, warm-up programs compiled ahead: " + ", ".join(f"{k} {v:.1f} s" for k, v in stages.items()))
             else:
                 pipe = build_pipeline(model, options)
@@ -130,6 +134,8 @@ def main(argv=None) -> int:
         if args.warmup:
             for batch, timings in warm_up(pipe):
                 print(f"warm-up: {batch[0].height}x{batch[0].width}, batch {len(batch)} in {timings['total']:.1f} s")
+            if store is not None:
+                store.note_run(run)
         server = GenerationServer(pipe, config, args.defaults, program_store=store,
                                   model_name="demo" if args.demo else args.model.name)
         server.start()

@@ -80,7 +80,7 @@ def test_a_damaged_file_is_compiled_again_and_replaced(tmp_path):
 def test_generate_second_start_loads_every_program_and_writes_the_same_image(tmp_path):
     """Two processes, as a user runs generate.py twice: the second loads the four programs the first stored. The first
     compiles them ahead on the weights' shapes while the weights are read (a dry run's zeros would show in its
-    image)."""
+    image); the second, whose run the first recorded, only loads them, without a dry run."""
     common = [sys.executable, str(Path(__file__).parent.parent / "scripts" / "generate.py"), "--model",
               str(FIXTURES / "krea2" / "tiny_pipeline"), "--prompt", "a cat", "--height", "64", "--width", "64",
               "--steps", "2", "--dtype", "fp32", "--max-sequence-length", "16", "--compile-cache",
@@ -90,7 +90,7 @@ def test_generate_second_start_loads_every_program_and_writes_the_same_image(tmp
         outputs.append(tmp_path / f"{start}.png")
         proc = subprocess.run(common + ["--output", str(outputs[-1])], capture_output=True, text=True, timeout=600)
         assert proc.returncode == 0, proc.stderr[-2000:]
-        assert "load and compile ahead" in proc.stdout, proc.stdout
+        assert ("load and compile ahead" in proc.stdout) == (start == "first"), proc.stdout
         summary = next(line for line in proc.stdout.splitlines() if line.startswith("executables:"))
         # text encoder, the transformer's text stage, the denoising loop, the VAE decoder
         expected = "0 loaded (0.0 s), 4 compiled and stored" if start == "first" else "4 loaded"
@@ -107,6 +107,21 @@ with use_program_store(sys.argv[1]) as store:
     y = f(jnp.arange(8.0))
     print(store.stats.loaded, store.stats.compiled, float(y.sum()))
 """
+
+
+def test_a_recorded_run_is_stored_while_all_its_programs_are(tmp_path):
+    x = jnp.arange(4.0)
+    with use_program_store(tmp_path) as first:
+        assert not first.stored_run("1024x1024")
+        _power_plus(x, 1.0, power=2)
+        first.note_run("1024x1024")
+        assert first.stored_run("1024x1024") and not first.stored_run("768x1344")
+    with use_program_store(tmp_path) as second:  # a later process
+        assert second.stored_run("1024x1024")
+        second.note_run("nothing served")  # records nothing
+        assert not second.stored_run("nothing served")
+    next(tmp_path.glob("*.xla")).unlink()
+    assert not ProgramStore(tmp_path).stored_run("1024x1024")
 
 
 def test_a_program_loads_onto_its_one_device_on_a_host_of_several(tmp_path):
