@@ -101,6 +101,36 @@ def lowering_for_amd() -> bool:
         return False
 
 
+FNUZ_FP8_ARCHS = ("gfx942",)  # AMD GPUs whose FP8 MFMA takes only the FNUZ encodings
+
+
+def fp8_mfma_takes_fnuz() -> bool:
+    """Whether the kernel being traced is for an AMD GPU whose FP8 MFMA multiplies only E4M3FNUZ (gfx942): Triton
+    would widen OCP E4M3FN operands to f16 there and run the f16 MFMA at half the rate."""
+    from jax._src.pallas.triton import gpu_info
+
+    try:
+        return gpu_info.get_device_kind().split(":")[0] in FNUZ_FP8_ARCHS
+    except Exception:  # no GPU to ask (the CPU's interpret mode)
+        return False
+
+
+def as_fnuz_halves(x: jax.Array) -> jax.Array:
+    """E4M3FN codes as E4M3FNUZ, whose exponent bias is one more: the same bits are half the value. -0 (FNUZ's NaN
+    code) becomes +0 and the NaNs FNUZ's NaN; everything else is exact."""
+    bits = jax.lax.bitcast_convert_type(x, jnp.uint8).astype(jnp.int32)
+    bits = jnp.where(bits == 0x80, 0, jnp.where((bits & 0x7F) == 0x7F, 0x80, bits))
+    return jax.lax.bitcast_convert_type(bits.astype(jnp.uint8), jnp.float8_e4m3fnuz)
+
+
+def dot_fp8(a: jax.Array, b: jax.Array) -> jax.Array:
+    """a @ b in float32 for E4M3FN tiles inside a Triton kernel, as the target's FP8 MFMA takes them: where it takes
+    only FNUZ (`fp8_mfma_takes_fnuz`), on the operands' halves (`as_fnuz_halves`) times 4, which is exact."""
+    if fp8_mfma_takes_fnuz():
+        return jnp.dot(as_fnuz_halves(a), as_fnuz_halves(b), preferred_element_type=jnp.float32) * 4.0
+    return jnp.dot(a, b, preferred_element_type=jnp.float32)
+
+
 def _round_half_even(x: jax.Array) -> jax.Array:
     """jnp.round(x) (ties to even) from floor, in a Triton kernel, which cannot lower `round`: a fraction x - floor(x)
     above 1/2 rounds up, a tie to the even neighbour; a zero result takes x's sign, as jnp.round's."""

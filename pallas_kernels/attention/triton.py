@@ -6,7 +6,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from ..numerics import reciprocal_products
+from ..numerics import dot_fp8, reciprocal_products
 from .config import AttentionConfig
 from .reference import _key_lengths, _masked_values, _v_fp8_scale_and_mean
 
@@ -59,7 +59,7 @@ def triton_attention(qi, qs, ki, ks, v, kv_lengths, *, pv: str, config: Attentio
             l_new = l * alpha + jnp.sum(p, axis=1)
             if pv == "fp8":
                 v_blk = v_ref[0, 0, :, pl.ds(start, block_k)].T
-                pv_blk = jnp.dot((p * 448.0).astype(jnp.float8_e4m3fn), v_blk, preferred_element_type=jnp.float32)
+                pv_blk = dot_fp8((p * 448.0).astype(jnp.float8_e4m3fn), v_blk)
                 pv_blk = pv_blk * (1.0 / 448.0)
             else:
                 v_blk = v_ref[0, 0, pl.ds(start, block_k), :]

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 
 from mxdit.quant.formats import FORMATS
 
-from ..numerics import BLOCK_K
+from ..numerics import BLOCK_K, dot_fp8
 from .config import TritonConfig
 from .reference import _epilogue
 from .weights import MX_BLOCK, GemmWeight, _pad_to_tiles, _pow2_at_least
@@ -59,11 +59,11 @@ def _triton_gemm(x, x_scale, w: GemmWeight, bias, residual, gate, *, activation,
             if not (mx or w_block or x_blocks):
                 xt = x_ref[:, pl.ds(kb * BLOCK_K, BLOCK_K)]
                 wt = w_ref[:, pl.ds(kb * BLOCK_K, BLOCK_K)]
-                return acc + jnp.dot(xt, wt.T, preferred_element_type=acc_type)
+                return acc + (jnp.dot(xt, wt.T, preferred_element_type=acc_type) if int8 else dot_fp8(xt, wt.T))
             if not mx:
                 xt = x_ref[:, pl.ds(kb * BLOCK_K, BLOCK_K)]
                 wt = w_ref[:, pl.ds(kb * BLOCK_K, BLOCK_K)]
-                part = jnp.dot(xt, wt.T, preferred_element_type=jnp.float32)
+                part = jnp.dot(xt, wt.T, preferred_element_type=jnp.float32) if int8 else dot_fp8(xt, wt.T)
                 if x_blocks:
                     part = part * x_scale_block(kb)[:, None]
                 if w_block:
@@ -87,7 +87,7 @@ def _triton_gemm(x, x_scale, w: GemmWeight, bias, residual, gate, *, activation,
                 exps = ws_ref[:, kb * (BLOCK_K // MX_BLOCK) + q].astype(jnp.int32)
                 sw = jax.lax.bitcast_convert_type(jnp.clip(exps, 1, 254) << 23, jnp.float32)
                 sw = jnp.where(exps == 255, jnp.nan, jnp.where(exps == 0, 0.0, sw))
-                part_sum = part_sum + jnp.dot(xt, wt.T, preferred_element_type=jnp.float32) * sw[None, :]
+                part_sum = part_sum + dot_fp8(xt, wt.T) * sw[None, :]
             if x_blocks:
                 part_sum = part_sum * x_scale_block(kb)[:, None]
             return acc + part_sum
