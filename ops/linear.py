@@ -8,6 +8,8 @@ the product is never written out and read back.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import functools
 from collections.abc import Callable
@@ -81,16 +83,80 @@ def kernel_matmul(x: jax.Array | FP8Activations, weight: gemm.GemmWeight, bias: 
                   gate: jax.Array | None = None) -> jax.Array:
     """x (..., k) @ weight^T through `pallas_kernels.gemm.scaled_matmul` (activations quantized per token on the
     fly, unless x comes quantized), in x's dtype; with `residual` (..., n) and `gate` (n,): `residual + gate *
-    product` in the epilogue; `activation` as the kernel's."""
+    product` in the epilogue; `activation` as the kernel's.
+
+    Differentiable in x, the bias, the residual and the gate (`_product_with_gradient`): the frozen weight takes no
+    gradient, and the activations' quantization passes the gradient straight through. An x quantized by a fused
+    producer is not differentiated (`differentiated_products` keeps the producers out of a loss)."""
     lead = x.shape[:-1]
     residual = None if residual is None else residual.reshape(-1, weight.n)
-    x_scale, out_dtype = None, x.dtype
     if isinstance(x, FP8Activations):
-        x, x_scale = x.values, x.scales.reshape(-1)
-    y = jitted(gemm.scaled_matmul)(x.reshape(-1, x.shape[-1]), weight, x_scale, bias=bias, residual=residual,
-                                   gate=gate, activation=activation, out_dtype=out_dtype,
-                                   backend=gemm_backend(weight))
+        y = jitted(gemm.scaled_matmul)(x.values.reshape(-1, x.shape[-1]), weight, x.scales.reshape(-1), bias=bias,
+                                       residual=residual, gate=gate, activation=activation, out_dtype=x.dtype,
+                                       backend=gemm_backend(weight))
+    else:
+        y = _product_with_gradient(activation)(x.reshape(-1, x.shape[-1]), weight, bias, residual, gate)
     return y.reshape(*lead, y.shape[-1])
+
+
+@functools.cache
+def _product_with_gradient(activation: str) -> Callable:
+    """`scaled_matmul(x, weight, ...)` with `activation`, whose gradient is that of the float32 product of x and the
+    dequantized weight (`transposed_product`), through the epilogue at the kernel's own product."""
+
+    def product(x, weight, bias, residual, gate, *, epilogue: bool = True, out_dtype=None):
+        if not epilogue:
+            bias = residual = gate = None
+        return jitted(gemm.scaled_matmul)(x, weight, bias=bias, residual=residual, gate=gate,
+                                          activation=activation if epilogue else "none",
+                                          out_dtype=out_dtype or x.dtype, backend=gemm_backend(weight))
+
+    @jax.custom_vjp
+    def with_gradient(x, weight, bias, residual, gate):
+        return product(x, weight, bias, residual, gate)
+
+    def forward(x, weight, bias, residual, gate):
+        return product(x, weight, bias, residual, gate), (x, weight, bias, residual, gate)
+
+    def backward(saved, dy):
+        from mxdit.pallas_kernels.gemm.reference import _epilogue
+
+        x, weight, bias, residual, gate = saved
+        if activation == "none" and gate is None:  # a linear epilogue: its gradient does not depend on the product
+            pre = jnp.zeros(dy.shape, jnp.float32)
+        else:
+            pre = product(x, weight, None, None, None, epilogue=False, out_dtype=jnp.float32)
+
+        def epilogue(pre, bias, residual, gate):
+            y = _epilogue(pre, bias, activation, residual, gate, weight.swiglu_width, x.dtype)
+            return y.astype(x.dtype)
+
+        _, epilogue_vjp = jax.vjp(epilogue, pre, bias, residual, gate)
+        d_pre, d_bias, d_residual, d_gate = epilogue_vjp(dy)
+        return transposed_product(d_pre, weight, x.shape[-1], x.dtype), None, d_bias, d_residual, d_gate
+
+    with_gradient.defvjp(forward, backward)
+    return with_gradient
+
+
+def transposed_product(dy: jax.Array, weight: gemm.GemmWeight, k: int, dtype=jnp.float32) -> jax.Array:
+    """dy (m, n) @ W (n, k) for a `GemmWeight` W: the gradient of a product with W with respect to its input (k of
+    W's padded columns), multiplied in `dtype` (the input's) and summed in float32. Per-channel weights (FP8, INT8)
+    fold their scales into dy and multiply their codes as they are (converted in the product, never a dequantized
+    copy of W); an INT8 weight in the rotated basis rotates the result back. Block-scaled and MX weights multiply
+    their dequantized values."""
+    from mxdit.pallas_kernels.gemm.reference import dequantize_weight
+    from mxdit.quant.formats import FORMATS, _rotate
+
+    dims = (((1,), (0,)), ((), ()))
+    if weight.layout == "channel":
+        dy, w = dy.astype(jnp.float32) * weight.scale, weight.data
+    else:
+        w = dequantize_weight(weight)
+    dx = jax.lax.dot_general(dy.astype(dtype), w.astype(dtype), dims, preferred_element_type=jnp.float32)
+    if weight.layout == "channel" and FORMATS[weight.fmt].rotated:
+        dx = _rotate(dx, FORMATS[weight.fmt].block)
+    return dx[:, :k].astype(dtype)
 
 
 def gemm_backend(weight: gemm.GemmWeight) -> str:
@@ -102,10 +168,27 @@ def gemm_backend(weight: gemm.GemmWeight) -> str:
     return "triton" if weight.layout == "mx" or gemm.FORMATS[weight.fmt].kind == "int8" else "mosaic"
 
 
+_DIFFERENTIATED = contextvars.ContextVar("differentiated_products", default=False)
+
+
+@contextlib.contextmanager
+def differentiated_products():
+    """While active (a training loss being traced), the layers' inputs are never quantized by a fused producer
+    (`fp8_input_backend` is None): each product quantizes its own input, through which `kernel_matmul`'s gradient
+    passes straight."""
+    token = _DIFFERENTIATED.set(True)
+    try:
+        yield
+    finally:
+        _DIFFERENTIATED.reset(token)
+
+
 def fp8_input_backend(*layers) -> str | None:
     """How a fused producer makes the input that `layers` (linear layers: `weight`, `lora`) share: "triton" on a GPU,
     "reference" elsewhere; None when one of them does not multiply FP8 activations (bf16 or INT8 weights, or an
-    adapter, which needs the unquantized input)."""
+    adapter, which needs the unquantized input), or inside `differentiated_products`."""
+    if _DIFFERENTIATED.get():
+        return None
     for layer in layers:
         weight = layer.weight.get_value()
         if not is_gemm_weight(weight) or layer.lora is not None or gemm.FORMATS[weight.fmt].kind == "int8":

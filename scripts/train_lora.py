@@ -41,7 +41,8 @@ def build_parser() -> OneLineErrorParser:
                         "onto it")
     p.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="base weights and compute (default bf16; demo fp32)")
     p.add_argument("--quantize-base", default=None, metavar="FORMAT",
-                   help="keep the frozen block matrices in this quant/ format (e.g. mxfp8_e4m3), dequantized per call")
+                   help="keep the frozen block matrices in this weight format (e.g. fp8_e4m3, mxfp8_e4m3, int8_rot), "
+                        "multiplied by the GEMM kernels as inference runs them")
     lora = p.add_argument_group("LoRA")
     lora.add_argument("--rank", type=int, default=32, help="the adapters' rank (default 32)")
     lora.add_argument("--alpha", type=float, default=None, help="default: the rank (scale 1)")

@@ -91,7 +91,7 @@ def test_merge_equals_the_adapter_and_unmerge_restores_the_weights_exactly():
 
 @pytest.mark.slow
 def test_quantized_frozen_base_trains_the_adapters_only():
-    from mxdit.quant.formats import QuantizedArray
+    from mxdit.pallas_kernels import gemm
     from mxdit.quant.model import krea2_rules
 
     model = make_model()
@@ -102,10 +102,12 @@ def test_quantized_frozen_base_trains_the_adapters_only():
     quantized = quantize_base(model, krea2_rules("mxfp8_e4m3"))
     assert "transformer_blocks.0.attn.to_q.weight" in quantized and "img_in.weight" not in quantized
     weight = layer.weight.get_value()
-    assert isinstance(weight, QuantizedArray) and relative_l2(weight.dequantize(), dense) < 0.05
-    # the layer computes with the dequantized weight, plus its adapter
+    values = gemm.dequantize_weight(weight)[:, :CFG.hidden_size]
+    assert isinstance(weight, gemm.GemmWeight) and relative_l2(values, dense) < 0.05
+    # the layer computes the GEMM kernels' product (activations quantized per token), plus its adapter
     x = jax.random.normal(jax.random.key(3), (5, CFG.hidden_size))
-    expected = x @ weight.dequantize().T + layer.lora.scale * (x @ layer.lora.A[...].T) @ layer.lora.B[...].T
+    expected = (gemm.scaled_matmul(x, weight, backend="reference", out_dtype=jnp.float32)
+                + layer.lora.scale * (x @ layer.lora.A[...].T) @ layer.lora.B[...].T)
     np.testing.assert_allclose(layer(x), expected, rtol=1e-5, atol=1e-5)
 
     graphdef, lora, frozen = nnx.split(model, nnx.LoRAParam, ...)
@@ -120,10 +122,10 @@ def test_quantized_frozen_base_trains_the_adapters_only():
     norms = [float(jnp.linalg.norm(g)) for g in jax.tree.leaves(grads(lora))]
     assert len(norms) == 64 and min(norms) > 0  # only the 64 adapter matrices are differentiated
     merged = merge_lora(model)  # a quantized weight merges into a dense one
-    assert not isinstance(layer.weight.get_value(), QuantizedArray)
+    assert layer.weight.get_value().shape == dense.shape
     unmerge_lora(model, merged)
     restored = layer.weight.get_value()
-    assert isinstance(restored, QuantizedArray) and restored.fmt == weight.fmt
+    assert isinstance(restored, gemm.GemmWeight) and restored.fmt == weight.fmt
     np.testing.assert_array_equal(restored.data, weight.data)
     np.testing.assert_array_equal(restored.scale, weight.scale)
 

@@ -7,7 +7,7 @@ name (`transformer_blocks.3.attn.to_q`). The saved file uses diffusers' LoRA key
 `transformer.<module path>.lora_A.weight` / `.lora_B.weight` (PEFT's layout: lora_A (rank, in), lora_B (out, rank)).
 
 `nnx.split(model, nnx.LoRAParam, ...)` separates the float32 adapters from the frozen base, which is never
-differentiated and may hold `quant.QuantizedArray` weights (see `quantize_base`).
+differentiated and may hold the GEMM kernels' quantized weights (see `quantize_base`).
 """
 
 from __future__ import annotations
@@ -26,6 +26,8 @@ from flax import nnx
 from mxdit.model.loading import save_safetensors, unreadable_safetensors
 from mxdit.model.lora import LoRA, LoraConfig, adapters, linear_layers, remove_lora
 from mxdit.model.lora_files import DIFFUSERS_METADATA_KEY, diffusers_metadata
+from mxdit.ops.linear import is_gemm_weight
+from mxdit.pallas_kernels.gemm.reference import dequantize_weight
 from mxdit.quant.model import quantize_linear_layers
 
 # The attention projections (q, k, v, the sigmoid gate, out) and the SwiGLU projections (gate, up, down) of every
@@ -134,9 +136,12 @@ def merge_lora(model: nnx.Module, dtype: jnp.dtype | None = None) -> dict[str, j
         if lora is None or lora.merged:
             continue
         weight = layer.weight.get_value()
-        quantized = hasattr(weight, "dequantize")
-        target = jnp.dtype(dtype or jnp.bfloat16) if quantized else weight.dtype
-        dense = weight.dequantize(jnp.float32) if quantized else weight.astype(jnp.float32)
+        if is_gemm_weight(weight):  # `quantize_base`'s: k padded to 128
+            dense, target = dequantize_weight(weight)[:, :layer.in_features], jnp.dtype(dtype or jnp.bfloat16)
+        elif hasattr(weight, "dequantize"):
+            dense, target = weight.dequantize(jnp.float32), jnp.dtype(dtype or jnp.bfloat16)
+        else:
+            dense, target = weight.astype(jnp.float32), weight.dtype
         layer.weight.set_value((dense + lora.delta()).astype(target))
         lora.merged = True
         originals[name] = weight
@@ -159,9 +164,11 @@ def unmerge_lora(model: nnx.Module, originals: Mapping[str, jax.Array]) -> None:
 
 def quantize_base(model: nnx.Module, rules) -> list[str]:
     """Quantize the frozen weights `rules` select (`quant.model.krea2_rules(fmt)` and the like: (pattern, format)
-    on checkpoint keys) in place, to `quant.QuantizedArray`s that Linear dequantizes per call (QLoRA-style: the
-    memory of the base shrinks, the adapters stay float32). Returns the quantized keys."""
-    return quantize_linear_layers(model, rules, kernels=False)
+    on checkpoint keys) in place, to the GEMM kernels' weights, as inference runs them: the forward multiplies
+    through the kernels (activations quantized per token) and the backward to the activations multiplies the
+    weights' codes (`ops.linear.transposed_product`), never a dequantized copy. The memory of the base shrinks, the
+    adapters stay float32. Returns the quantized keys."""
+    return quantize_linear_layers(model, rules, kernels=True)
 
 
 # --------------------------------------------------------------------------------------------------------------------

@@ -45,6 +45,7 @@ from mxdit.model.flow_match import ShiftConfig, calculate_shift
 from mxdit.model.loading import write_atomically
 from mxdit.model.lora import LoraConfig, adapters
 from mxdit.model.pipeline_common import image_position_ids, pack_latents
+from mxdit.ops.linear import differentiated_products
 
 from . import data as data_lib
 from .lora import add_lora, save_lora
@@ -184,8 +185,9 @@ def _loss(lora: nnx.State, frozen: nnx.State, graphdef, examples: dict, position
     if dropout_key is not None:  # on this traced copy only: the model the caller holds never drops out
         for i, (_, adapter) in enumerate(adapters(model)):
             adapter.dropout_key = nnx.data(jax.random.fold_in(dropout_key, i))
-    return flow_matching_loss(model, examples["latents"], examples["embeds"], examples["mask"], position_ids, noise,
-                              sigmas, examples.get("pooled"), guidance)
+    with differentiated_products():  # a quantized base's products pass the gradient to their inputs
+        return flow_matching_loss(model, examples["latents"], examples["embeds"], examples["mask"], position_ids,
+                                  noise, sigmas, examples.get("pooled"), guidance)
 
 
 def accumulated_gradients(graphdef, config: TrainConfig, frozen: nnx.State, lora: nnx.State,
