@@ -11,6 +11,7 @@
     python scripts/benchmark.py gemm                            # block-scaled GEMM kernels vs XLA and torch
     python scripts/benchmark.py krea2-sharded-step --meshes seq=8 cfg=2,seq=4 --guidance   # all GPUs, per mesh
     python scripts/benchmark.py krea2-lora-step --remat none block   # LoRA training step, rank 32, 1024x1024
+    python scripts/benchmark.py krea2-lora-step --bases bf16 fp8_e4m3 --memory-caps none 24   # + diffusers+PEFT
     python scripts/benchmark.py krea2-lora-step --tiny          # the same on a tiny model (runs on a CPU)
 
 Weights are random (bf16); the shapes are the released model's: 4096 image tokens (1024x1024), 512 text tokens of
@@ -46,6 +47,7 @@ COMMANDS = {
     "throughput-diffusers": throughput.diffusers_throughput,
     "krea2-sharded-step": sharding.krea2_sharded_step,
     "krea2-lora-step": lora.lora_step, "krea2-lora-step-jax": lora.jax_lora_step,
+    "krea2-lora-step-diffusers": diffusers_side.diffusers_krea2_lora_step,
     "flux-lora-step": lora.lora_step, "flux-lora-step-jax": lora.jax_lora_step,
     "flux-step": flux.flux_step, "flux-step-diffusers": diffusers_side.diffusers_flux_step,
     "flux-step-jax": flux.jax_flux_step,
@@ -276,20 +278,31 @@ def _add_kernel_commands(sub) -> None:
 
 
 def _add_lora_commands(sub) -> None:
-    for name in ("krea2-lora-step", "krea2-lora-step-jax", "flux-lora-step", "flux-lora-step-jax"):
-        p = sub.add_parser(name, help=_help(name, name.removesuffix("-jax"), "a LoRA training step, per remat policy"))
+    for name in ("krea2-lora-step", "krea2-lora-step-jax", "krea2-lora-step-diffusers", "flux-lora-step",
+                 "flux-lora-step-jax"):
+        half = name.endswith(("-jax", "-diffusers"))
+        p = sub.add_parser(name, help=_help(name, name.removesuffix("-jax").removesuffix("-diffusers"),
+                                            "a LoRA training step, per base, remat policy and memory cap"))
         p.set_defaults(family=name.split("-")[0])
         _shape_arguments(p)
         p.add_argument("--rank", type=int, default=32)
         p.add_argument("--tiny", action="store_true", help="a tiny model of the family (checks the path on a CPU)")
-        p.add_argument("--quantize-base", default=None, metavar="FORMAT", help="frozen block matrices in this format")
         _timing_arguments(p, iters=5, settle=False)
         _json_argument(p)
-        if name.endswith("-jax"):
+        if half:
             p.add_argument("--remat", default="none", choices=REMAT_CHOICES)
+            p.add_argument("--memory-cap-gb", type=float, default=None, help="the device memory this run may use")
+            p.add_argument("--quantize-base", default=None, metavar="FORMAT",
+                           help="frozen block matrices in this format")
         else:
             p.add_argument("--remat", nargs="+", default=["none", "block"], choices=REMAT_CHOICES,
                            help="one process per policy")
+            p.add_argument("--bases", nargs="+", default=["bf16"], metavar="FORMAT",
+                           help="the frozen base: bf16, or a weight format (fp8_e4m3, mxfp8_e4m3, int8_rot, ...)")
+            p.add_argument("--memory-caps", nargs="+", default=["none"], metavar="GB",
+                           help="each variant uncapped (none) and with its device memory capped to GB, e.g. none 24")
+            p.add_argument("--no-diffusers", dest="diffusers", action="store_false",
+                           help="without diffusers' own recipe (PEFT adapters, bf16; Krea 2)")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -33,7 +33,7 @@ def torch_row(name: str, fn, args, flops: float, warmup: int = 3) -> dict:
     return emit(row)
 
 
-def _krea2_transformer(cfg):
+def _krea2_transformer(cfg, device: str = "cuda"):
     """diffusers' Krea2Transformer2DModel of random bf16 weights on the GPU, its norms in float32 as
     `_keep_in_fp32_modules` leaves them after from_pretrained."""
     import torch
@@ -42,7 +42,7 @@ def _krea2_transformer(cfg):
 
     torch.manual_seed(0)
     torch.set_default_dtype(torch.bfloat16)
-    with torch.device("cuda"):
+    with torch.device(device):
         model = Krea2Transformer2DModel(**dataclasses.asdict(cfg)).eval()
     torch.set_default_dtype(torch.float32)
     for module in model.modules():
@@ -302,3 +302,90 @@ def torch_attention(args) -> list[dict]:
                 name = f"torch SDPA {label} bf16, GQA {h}/{kv_heads}" + (", masked" if masked else "")
                 rows.append(torch_row(name, fn, args, flops))
     return rows
+
+
+def diffusers_krea2_lora_step(args) -> list[dict]:
+    """diffusers' own LoRA recipe for Krea 2, one training step as its train_dreambooth_lora scripts run it: PEFT
+    adapters (`add_adapter`) of --rank on our default targets (attention and SwiGLU of every block), float32 adapter
+    weights over the bf16 model under bf16 autocast, gradient checkpointing with --remat block, the flow-matching
+    loss, clipping at 1 and AdamW. Seconds a step by CUDA events after warm-up (wall time on a CPU); peak memory
+    torch allocated. The device memory capped to --memory-cap-gb where given."""
+    import torch
+    from peft import LoraConfig
+
+    from mxdit.model.krea2 import Krea2Config
+    from mxdit.training.lora import KREA2_ATTENTION_AND_MLP
+
+    from .inputs import TINY_KREA2
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.memory_cap_gb and device == "cuda":
+        torch.cuda.set_per_process_memory_fraction(
+            args.memory_cap_gb * 1e9 / torch.cuda.get_device_properties(0).total_memory)
+    cfg = Krea2Config(**TINY_KREA2) if args.tiny else krea2_config(args)
+    model = _krea2_transformer(cfg, device)
+    model.requires_grad_(False)
+    model.add_adapter(LoraConfig(r=args.rank, lora_alpha=args.rank, init_lora_weights="gaussian",
+                                 target_modules="|".join(f"(?:{p})" for p in KREA2_ATTENTION_AND_MLP)))
+    if args.remat != "none":
+        model.enable_gradient_checkpointing()
+    model.train()
+    params = [p for p in model.parameters() if p.requires_grad]
+    for p in params:  # diffusers' cast_training_params: float32 trainable weights under bf16 mixed precision
+        p.data = p.data.float()
+    optimizer = torch.optim.AdamW(params, lr=1e-4)
+    hidden, text, timestep, position_ids, mask = krea2_inputs(cfg, args.height, args.width, args.text_len,
+                                                              args.valid_text)
+    to = dict(device=device)
+    latents = torch.from_numpy(hidden).to(**to)
+    noise = torch.randn_like(latents)
+    sigma = torch.from_numpy(timestep).to(**to).float()[:, None, None]
+    inputs = dict(hidden_states=((1 - sigma) * latents + sigma * noise).bfloat16(),
+                  encoder_hidden_states=torch.from_numpy(text).to(**to).bfloat16(),
+                  timestep=torch.from_numpy(timestep).to(**to).bfloat16(),
+                  position_ids=torch.from_numpy(position_ids).to(**to),
+                  encoder_attention_mask=torch.from_numpy(mask).to(**to), return_dict=False)
+    target = (noise - latents).float()
+
+    def step():
+        with torch.autocast(device, dtype=torch.bfloat16):
+            prediction = model(**inputs)[0]
+        loss = torch.nn.functional.mse_loss(prediction.float(), target)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return loss
+
+    cap = f", capped at {args.memory_cap_gb:g} GB" if args.memory_cap_gb else ""
+    row = {"name": f"diffusers+PEFT {'tiny ' if args.tiny else ''}Krea 2 LoRA step bf16, rank {args.rank}, "
+                   f"{len(params) // 2} adapters, remat {args.remat}{cap}",
+           "lora_params": sum(p.numel() for p in params)}
+    try:
+        t0 = time.perf_counter()
+        for _ in range(2):  # warm-up: allocator, kernels' first calls
+            loss = step()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        row["compile_s"] = time.perf_counter() - t0
+        times = []
+        for _ in range(args.repeats):
+            if device == "cuda":
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                for _ in range(args.iters):
+                    loss = step()
+                end.record()
+                torch.cuda.synchronize()
+                times.append(start.elapsed_time(end) / 1e3 / args.iters)
+            else:
+                t0 = time.perf_counter()
+                for _ in range(args.iters):
+                    loss = step()
+                times.append((time.perf_counter() - t0) / args.iters)
+        row["s_per_step"] = statistics.median(times)
+        row["loss"] = float(loss.detach())
+    except Exception as e:  # an out-of-memory variant is a result too
+        row["error"] = error_text(e)
+    row["peak_gb"] = torch.cuda.max_memory_allocated() / 1e9 if device == "cuda" else 0.0
+    return [emit(row)]

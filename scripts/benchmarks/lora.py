@@ -14,26 +14,45 @@ from .timing import jax_peak_gb
 
 
 def lora_step(args) -> None:
-    """One subprocess per --remat policy, so that the device's peak memory is each policy's own."""
+    """One subprocess per base format, --remat policy and memory cap, so that the device's peak memory is each
+    variant's own; then, for Krea 2, diffusers' own recipe (PEFT adapters, bf16) per policy and cap."""
     forwarded = flags(args, "height", "width", "text_len", "valid_text", "rank", "iters", "repeats", "num_layers",
-                      "tiny", "quantize_base")
+                      "tiny")
     rows = []
-    for remat in args.remat:
-        rows += subprocess_rows(args, f"{args.family}-lora-step-jax", forwarded + ["--remat", remat])
+    for cap in args.memory_caps:
+        limit = [] if cap == "none" else ["--memory-cap-gb", cap]
+        env = None if cap == "none" else {"XLA_PYTHON_CLIENT_MEM_FRACTION": memory_fraction(float(cap))}
+        for base in args.bases:
+            quantized = [] if base == "bf16" else ["--quantize-base", base]
+            for remat in args.remat:
+                rows += subprocess_rows(args, f"{args.family}-lora-step-jax",
+                                        forwarded + quantized + limit + ["--remat", remat], env=env)
+        if args.diffusers and args.family == "krea2":
+            for remat in args.remat:
+                rows += subprocess_rows(args, "krea2-lora-step-diffusers", forwarded + limit + ["--remat", remat])
     size = "tiny model" if args.tiny else "full size"
     model = {"krea2": "Krea 2", "flux": "FLUX.1-dev"}[args.family]
     real = f" ({args.valid_text} real)" if args.family == "krea2" else ""  # FLUX.1 attends to every text token
     print(f"\n{model} LoRA training step ({size}), {args.height}x{args.width}, batch 1, text {args.text_len}{real}. "
           "Peak GB: device peak (0 where the device reports none); temp GB: the "
           "compiled step's temporaries (what remat trades); program GB: its arguments + temporaries + outputs")
-    print(f"{'variant':<66} {'s/step':>8} {'peak GB':>8} {'temp GB':>8} {'program GB':>10} {'warm-up s':>9}")
+    print(f"{'variant':<80} {'s/step':>8} {'peak GB':>8} {'temp GB':>8} {'program GB':>10} {'warm-up s':>9}")
     for r in rows:
         if "error" in r:
-            print(f"{r['name']:<66} error: {r['error']}")
+            print(f"{r['name']:<80} error: {r['error']}")
         else:
-            print(f"{r['name']:<66} {r['s_per_step']:8.4f} {r['peak_gb']:8.2f} {r.get('temp_gb', 0):8.2f} "
+            print(f"{r['name']:<80} {r['s_per_step']:8.4f} {r['peak_gb']:8.2f} {r.get('temp_gb', 0):8.2f} "
                   f"{r.get('program_gb', 0):10.2f} {r['compile_s']:9.1f}")
     write_json(args, rows)
+
+
+def memory_fraction(cap_gb: float) -> str:
+    """XLA_PYTHON_CLIENT_MEM_FRACTION for a device memory pool of `cap_gb` GB on this machine's first GPU."""
+    import subprocess
+
+    total_mib = float(subprocess.run(["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
+                                     capture_output=True, text=True, check=True).stdout.split()[0])
+    return f"{cap_gb * 1e9 / (total_mib * 2**20):.4f}"
 
 
 def _model_and_batch(args):
@@ -90,7 +109,8 @@ def jax_lora_step(args) -> list[dict]:
     lora, opt_state = jax.device_put((lora, opt_state), jax.devices()[0])
     key = jax.random.key(0)
     row = {"name": f"jax {args.family} LoRA step bf16, rank {args.rank}, {len(names)} adapters, remat {args.remat}"
-                   + (f", base {args.quantize_base}" if args.quantize_base else ""),
+                   + (f", base {args.quantize_base}" if args.quantize_base else "")
+                   + (f", capped at {args.memory_cap_gb:g} GB" if args.memory_cap_gb else ""),
            "lora_params": sum(int(x.size) for x in jax.tree.leaves(lora))}
     try:
         t0 = time.perf_counter()
