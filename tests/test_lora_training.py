@@ -358,11 +358,19 @@ def test_flux_lora_trains_from_the_command_line(photos, tmp_path, capsys):
     assert code == 2 and "no preset 'authors' for flux" in captured.err and len(captured.err.splitlines()) == 1
 
 
-def test_flux_remat_changes_memory_not_the_gradients():
+@pytest.mark.parametrize("base", ["bf16", "fp8_e4m3"])
+def test_flux_remat_changes_memory_not_the_gradients(base):
+    """Per-block remat recomputes the blocks in the backward: the same loss and gradients, on the unquantized base
+    and on a quantized one (whose products' custom gradient is recomputed too)."""
     from mxdit.model.pipeline_flux import FluxPipeline
+    from mxdit.ops.linear import differentiated_products
+    from mxdit.quant.model import flux_rules
+    from mxdit.training.lora import quantize_base
     from mxdit.training.train import REMAT_POLICIES, flow_matching_loss
 
     model = FluxPipeline.from_pretrained(FLUX_PIPELINE, jnp.float32).transformer
+    if base != "bf16":
+        quantize_base(model, flux_rules(base))
     add_lora(model, LoraConfig(rank=2, alpha=2))
     rng = np.random.default_rng(0)
     latents, noise = (jnp.asarray(rng.standard_normal((2, 16, 64)), jnp.float32) for _ in range(2))
@@ -377,8 +385,9 @@ def test_flux_remat_changes_memory_not_the_gradients():
 
         def loss(lora):
             m = nnx.merge(graphdef, lora, frozen)
-            return flow_matching_loss(m, latents, embeds, None, jnp.asarray(ids), noise, jnp.array([0.3, 0.8]),
-                                      pooled, 3.5)
+            with differentiated_products():
+                return flow_matching_loss(m, latents, embeds, None, jnp.asarray(ids), noise, jnp.array([0.3, 0.8]),
+                                          pooled, 3.5)
 
         results.append(jax.jit(jax.value_and_grad(loss))(lora))
     (loss_a, grads_a), (loss_b, grads_b) = results
