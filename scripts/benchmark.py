@@ -47,7 +47,8 @@ COMMANDS = {
     "throughput-diffusers": throughput.diffusers_throughput,
     "krea2-sharded-step": sharding.krea2_sharded_step,
     "krea2-lora-step": lora.lora_step, "krea2-lora-step-jax": lora.jax_lora_step,
-    "krea2-lora-step-diffusers": diffusers_side.diffusers_krea2_lora_step,
+    "krea2-lora-step-diffusers": diffusers_side.diffusers_lora_step,
+    "flux-lora-step-diffusers": diffusers_side.diffusers_lora_step,
     "flux-lora-step": lora.lora_step, "flux-lora-step-jax": lora.jax_lora_step,
     "flux-step": flux.flux_step, "flux-step-diffusers": diffusers_side.diffusers_flux_step,
     "flux-step-jax": flux.jax_flux_step,
@@ -279,7 +280,7 @@ def _add_kernel_commands(sub) -> None:
 
 def _add_lora_commands(sub) -> None:
     for name in ("krea2-lora-step", "krea2-lora-step-jax", "krea2-lora-step-diffusers", "flux-lora-step",
-                 "flux-lora-step-jax"):
+                 "flux-lora-step-jax", "flux-lora-step-diffusers"):
         half = name.endswith(("-jax", "-diffusers"))
         p = sub.add_parser(name, help=_help(name, name.removesuffix("-jax").removesuffix("-diffusers"),
                                             "a LoRA training step, per base, remat policy and memory cap"))
@@ -302,7 +303,7 @@ def _add_lora_commands(sub) -> None:
             p.add_argument("--memory-caps", nargs="+", default=["none"], metavar="GB",
                            help="each variant uncapped (none) and with its device memory capped to GB, e.g. none 24")
             p.add_argument("--no-diffusers", dest="diffusers", action="store_false",
-                           help="without diffusers' own recipe (PEFT adapters, bf16; Krea 2)")
+                           help="without diffusers' own recipe (PEFT adapters, bf16)")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -304,29 +304,24 @@ def torch_attention(args) -> list[dict]:
     return rows
 
 
-def diffusers_krea2_lora_step(args) -> list[dict]:
-    """diffusers' own LoRA recipe for Krea 2, one training step as its train_dreambooth_lora scripts run it: PEFT
-    adapters (`add_adapter`) of --rank on our default targets (attention and SwiGLU of every block), float32 adapter
-    weights over the bf16 model under bf16 autocast, gradient checkpointing with --remat block, the flow-matching
-    loss, clipping at 1 and AdamW. Seconds a step by CUDA events after warm-up (wall time on a CPU); peak memory
-    torch allocated. The device memory capped to --memory-cap-gb where given."""
+def diffusers_lora_step(args) -> list[dict]:
+    """diffusers' own LoRA recipe for Krea 2 or FLUX.1-dev (`args.family`), one training step as its
+    train_dreambooth_lora scripts run it: PEFT adapters (`add_adapter`) of --rank on our default targets (attention
+    and MLP of every block), float32 adapter weights over the bf16 model under bf16 autocast, gradient checkpointing
+    with --remat other than none, the flow-matching loss, clipping at 1 and AdamW. Seconds a step by CUDA events
+    after warm-up (wall time on a CPU); peak memory torch allocated. The device memory capped to --memory-cap-gb
+    where given."""
     import torch
     from peft import LoraConfig
-
-    from mxdit.model.krea2 import Krea2Config
-    from mxdit.training.lora import KREA2_ATTENTION_AND_MLP
-
-    from .inputs import TINY_KREA2
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.memory_cap_gb and device == "cuda":
         torch.cuda.set_per_process_memory_fraction(
             args.memory_cap_gb * 1e9 / torch.cuda.get_device_properties(0).total_memory)
-    cfg = Krea2Config(**TINY_KREA2) if args.tiny else krea2_config(args)
-    model = _krea2_transformer(cfg, device)
+    model, inputs, latents, targets = (_flux_lora_model if args.family == "flux" else _krea2_lora_model)(args, device)
     model.requires_grad_(False)
     model.add_adapter(LoraConfig(r=args.rank, lora_alpha=args.rank, init_lora_weights="gaussian",
-                                 target_modules="|".join(f"(?:{p})" for p in KREA2_ATTENTION_AND_MLP)))
+                                 target_modules="|".join(f"(?:{p})" for p in targets)))
     if args.remat != "none":
         model.enable_gradient_checkpointing()
     model.train()
@@ -334,17 +329,9 @@ def diffusers_krea2_lora_step(args) -> list[dict]:
     for p in params:  # diffusers' cast_training_params: float32 trainable weights under bf16 mixed precision
         p.data = p.data.float()
     optimizer = torch.optim.AdamW(params, lr=1e-4)
-    hidden, text, timestep, position_ids, mask = krea2_inputs(cfg, args.height, args.width, args.text_len,
-                                                              args.valid_text)
-    to = dict(device=device)
-    latents = torch.from_numpy(hidden).to(**to)
     noise = torch.randn_like(latents)
-    sigma = torch.from_numpy(timestep).to(**to).float()[:, None, None]
-    inputs = dict(hidden_states=((1 - sigma) * latents + sigma * noise).bfloat16(),
-                  encoder_hidden_states=torch.from_numpy(text).to(**to).bfloat16(),
-                  timestep=torch.from_numpy(timestep).to(**to).bfloat16(),
-                  position_ids=torch.from_numpy(position_ids).to(**to),
-                  encoder_attention_mask=torch.from_numpy(mask).to(**to), return_dict=False)
+    sigma = 0.5
+    inputs["hidden_states"] = ((1 - sigma) * latents + sigma * noise).bfloat16()
     target = (noise - latents).float()
 
     def step():
@@ -357,8 +344,9 @@ def diffusers_krea2_lora_step(args) -> list[dict]:
         optimizer.zero_grad(set_to_none=True)
         return loss
 
+    title = {"krea2": "Krea 2", "flux": "FLUX.1-dev"}[args.family]
     cap = f", capped at {args.memory_cap_gb:g} GB" if args.memory_cap_gb else ""
-    row = {"name": f"diffusers+PEFT {'tiny ' if args.tiny else ''}Krea 2 LoRA step bf16, rank {args.rank}, "
+    row = {"name": f"diffusers+PEFT {'tiny ' if args.tiny else ''}{title} LoRA step bf16, rank {args.rank}, "
                    f"{len(params) // 2} adapters, remat {args.remat}{cap}",
            "lora_params": sum(p.numel() for p in params)}
     try:
@@ -389,3 +377,52 @@ def diffusers_krea2_lora_step(args) -> list[dict]:
         row["error"] = error_text(e)
     row["peak_gb"] = torch.cuda.max_memory_allocated() / 1e9 if device == "cuda" else 0.0
     return [emit(row)]
+
+
+def _krea2_lora_model(args, device: str):
+    """diffusers' Krea 2 transformer (full size, --num-layers blocks, or --tiny) on `device`, its step's inputs but
+    the noisy latents, the clean latents and our LoRA targets."""
+    import torch
+
+    from mxdit.model.krea2 import Krea2Config
+    from mxdit.training.lora import KREA2_ATTENTION_AND_MLP
+
+    from .inputs import TINY_KREA2
+
+    cfg = Krea2Config(**TINY_KREA2) if args.tiny else krea2_config(args)
+    model = _krea2_transformer(cfg, device)
+    hidden, text, _, position_ids, mask = krea2_inputs(cfg, args.height, args.width, args.text_len, args.valid_text)
+    inputs = dict(encoder_hidden_states=torch.from_numpy(text).to(device).bfloat16(),
+                  timestep=torch.full((1,), 0.5, device=device, dtype=torch.bfloat16),
+                  position_ids=torch.from_numpy(position_ids).to(device),
+                  encoder_attention_mask=torch.from_numpy(mask).to(device), return_dict=False)
+    return model, inputs, torch.from_numpy(hidden).to(device), KREA2_ATTENTION_AND_MLP
+
+
+def _flux_lora_model(args, device: str):
+    """`_krea2_lora_model` for FLUX.1-dev."""
+    import torch
+    from diffusers import FluxTransformer2DModel
+
+    from mxdit.model.flux import FluxConfig
+    from mxdit.training.lora import FLUX_ATTENTION_AND_MLP
+
+    from .inputs import TINY_FLUX
+
+    layers = {} if args.num_layers is None else dict(num_layers=args.num_layers, num_single_layers=2 * args.num_layers)
+    cfg = FluxConfig(**TINY_FLUX) if args.tiny else FluxConfig(**layers)
+    torch.manual_seed(0)
+    torch.set_default_dtype(torch.bfloat16)
+    with torch.device(device):
+        model = FluxTransformer2DModel(**dataclasses.asdict(cfg))
+    torch.set_default_dtype(torch.float32)
+    hidden, text, pooled, img_ids, txt_ids = flux_inputs(cfg, args.height, args.width, args.text_len)
+
+    def to(a, dtype=torch.bfloat16):
+        return torch.from_numpy(a).to(device).to(dtype)
+
+    inputs = dict(encoder_hidden_states=to(text), pooled_projections=to(pooled),
+                  timestep=torch.full((1,), 0.5, device=device, dtype=torch.bfloat16),
+                  img_ids=to(img_ids, torch.float32), txt_ids=to(txt_ids, torch.float32),
+                  guidance=torch.full((1,), 3.5, device=device), return_dict=False)
+    return model, inputs, torch.from_numpy(hidden).to(device), FLUX_ATTENTION_AND_MLP

@@ -15,7 +15,7 @@ from .timing import jax_peak_gb
 
 def lora_step(args) -> None:
     """One subprocess per base format, --remat policy and memory cap, so that the device's peak memory is each
-    variant's own; then, for Krea 2, diffusers' own recipe (PEFT adapters, bf16) per policy and cap."""
+    variant's own; then diffusers' own recipe (PEFT adapters, bf16) per policy and cap."""
     forwarded = flags(args, "height", "width", "text_len", "valid_text", "rank", "iters", "repeats", "num_layers",
                       "tiny")
     rows = []
@@ -27,9 +27,10 @@ def lora_step(args) -> None:
             for remat in args.remat:
                 rows += subprocess_rows(args, f"{args.family}-lora-step-jax",
                                         forwarded + quantized + limit + ["--remat", remat], env=env)
-        if args.diffusers and args.family == "krea2":
+        if args.diffusers:
             for remat in args.remat:
-                rows += subprocess_rows(args, "krea2-lora-step-diffusers", forwarded + limit + ["--remat", remat])
+                rows += subprocess_rows(args, f"{args.family}-lora-step-diffusers",
+                                        forwarded + limit + ["--remat", remat])
     size = "tiny model" if args.tiny else "full size"
     model = {"krea2": "Krea 2", "flux": "FLUX.1-dev"}[args.family]
     real = f" ({args.valid_text} real)" if args.family == "krea2" else ""  # FLUX.1 attends to every text token
