@@ -90,6 +90,51 @@ def flux_step(precision: str) -> dict:
 STEP_BOUNDS = {"bf16": 0.03, "fp8": 0.06, "mxfp8": 0.06, "mxfp6": 0.08, "mxfp4": 0.3, "int8": 0.06}
 
 
+def krea2_lora_gradients(base: str, dtype: str) -> dict:
+    """The flow-matching loss's gradient w.r.t. rank-4 adapters (B drawn, so that every adapter matrix gets one) on
+    the tiny Krea 2 fixture with its block matrices quantized to `base` as training freezes them
+    (`training.lora.quantize_base`), in `dtype`; the adapters' gradients concatenated."""
+    from mxdit.model.lora import LoraConfig, adapters
+    from mxdit.ops.linear import differentiated_products
+    from mxdit.quant.model import krea2_rules
+    from mxdit.training.lora import add_lora, quantize_base
+    from mxdit.training.train import flow_matching_loss
+
+    reference = np.load(FIXTURES / "krea2" / "reference.npz")
+    model = Krea2Transformer.from_pretrained(FIXTURES / "krea2" / "tiny", getattr(jnp, dtype))
+    quantize_base(model, krea2_rules(base))
+    add_lora(model, LoraConfig(rank=4, alpha=4))
+    for i, (_, adapter) in enumerate(adapters(model)):
+        adapter.B.set_value(0.05 * jax.random.normal(jax.random.key(i), adapter.B.shape))
+    graphdef, lora, frozen = nnx.split(model, nnx.LoRAParam, ...)
+    latents = jnp.asarray(reference["hidden_states"])
+    noise = jax.random.normal(jax.random.key(7), latents.shape)
+
+    def loss(lora):
+        with differentiated_products():
+            return flow_matching_loss(nnx.merge(graphdef, lora, frozen), latents,
+                                      jnp.asarray(reference["encoder_hidden_states"], getattr(jnp, dtype)),
+                                      jnp.asarray(reference["encoder_attention_mask"]),
+                                      jnp.asarray(reference["position_ids"]), noise, jnp.array([0.3, 0.8]))
+
+    grads = jax.jit(jax.grad(loss))(lora)
+    return {"grads": np.concatenate([np.asarray(g, np.float32).ravel() for g in jax.tree.leaves(grads)])}
+
+
+@pytest.mark.parametrize("base", ["fp8_e4m3", "int8", "mxfp8_e4m3"])
+def test_lora_gradients_on_a_quantized_base_on_the_gpu(record_property, base):
+    """The adapters' gradients through the GEMM kernels on the GPU (bf16) against the same model in float32 on the
+    CPU: no further from it than the CPU's own bf16 run (the kernels' jnp reference), with a margin of 1.5."""
+    gpu = krea2_lora_gradients(base, "bfloat16")["grads"]
+    cpu = _on_cpu("krea2_lora_gradients", base, "bfloat16")["grads"]
+    exact = _on_cpu("krea2_lora_gradients", base, "float32")["grads"]
+    assert np.isfinite(gpu).all() and np.linalg.norm(exact) > 0
+    error, cpu_error = relative_l2(gpu, exact), relative_l2(cpu, exact)
+    record_property("grads_vs_cpu_fp32", error)
+    record_property("grads_cpu_bf16_vs_cpu_fp32", cpu_error)
+    assert error <= 1.5 * cpu_error
+
+
 @pytest.mark.parametrize("precision", PRECISIONS)
 def test_krea2_step_on_the_gpu_matches_diffusers(record_property, precision):
     reference = np.load(FIXTURES / "krea2" / "reference.npz")
