@@ -56,9 +56,10 @@ class LayerNorm(nnx.Module):
 
 
 class Attention(nnx.Module):
-    def __init__(self, cfg: CLIPTextConfig, *, dtype, rngs):
+    def __init__(self, cfg, *, causal: bool = True, dtype, rngs):
         d = cfg.hidden_size
         self.heads = cfg.num_attention_heads
+        self.causal = causal  # the text tower's; the vision tower (model/clip.py) attends both ways
         self.q_proj = Linear(d, d, bias=True, dtype=dtype, rngs=rngs)
         self.k_proj = Linear(d, d, bias=True, dtype=dtype, rngs=rngs)
         self.v_proj = Linear(d, d, bias=True, dtype=dtype, rngs=rngs)
@@ -68,7 +69,7 @@ class Attention(nnx.Module):
         b, s, d = x.shape
         shape = (b, s, self.heads, d // self.heads)
         out = jax.nn.dot_product_attention(self.q_proj(x).reshape(shape), self.k_proj(x).reshape(shape),
-                                           self.v_proj(x).reshape(shape), is_causal=True)
+                                           self.v_proj(x).reshape(shape), is_causal=self.causal)
         return self.out_proj(out.reshape(b, s, d))
 
 
@@ -85,9 +86,9 @@ class MLP(nnx.Module):
 
 
 class EncoderLayer(nnx.Module):
-    def __init__(self, cfg, *, dtype, rngs):
+    def __init__(self, cfg, *, causal: bool = True, dtype, rngs):
         self.layer_norm1 = LayerNorm(cfg.hidden_size, cfg.layer_norm_eps, dtype=dtype)
-        self.self_attn = Attention(cfg, dtype=dtype, rngs=rngs)
+        self.self_attn = Attention(cfg, causal=causal, dtype=dtype, rngs=rngs)
         self.layer_norm2 = LayerNorm(cfg.hidden_size, cfg.layer_norm_eps, dtype=dtype)
         self.mlp = MLP(cfg, dtype=dtype, rngs=rngs)
 
@@ -108,8 +109,9 @@ class Embeddings(nnx.Module):
 
 
 class Encoder(nnx.Module):
-    def __init__(self, cfg, *, dtype, rngs):
-        self.layers = nnx.List([EncoderLayer(cfg, dtype=dtype, rngs=rngs) for _ in range(cfg.num_hidden_layers)])
+    def __init__(self, cfg, *, causal: bool = True, dtype, rngs):
+        self.layers = nnx.List([EncoderLayer(cfg, causal=causal, dtype=dtype, rngs=rngs)
+                                for _ in range(cfg.num_hidden_layers)])
 
 
 class TextTransformer(nnx.Module):
@@ -117,6 +119,21 @@ class TextTransformer(nnx.Module):
         self.embeddings = Embeddings(cfg, dtype=dtype, rngs=rngs)
         self.encoder = Encoder(cfg, dtype=dtype, rngs=rngs)
         self.final_layer_norm = LayerNorm(cfg.hidden_size, cfg.layer_norm_eps, dtype=dtype)
+
+    def __call__(self, input_ids: jax.Array, eos_token_id: int) -> tuple[jax.Array, jax.Array]:
+        """(last hidden state, the state at each sequence's end-of-text token)."""
+        seq = input_ids.shape[1]
+        x = jnp.take(self.embeddings.token_embedding.weight[...], input_ids, axis=0)
+        x = x + self.embeddings.position_embedding.weight[...][:seq]
+        for layer in self.encoder.layers:
+            x = layer(x)
+        x = self.final_layer_norm(x)
+        if eos_token_id == 2:
+            # Checkpoints from before transformers fixed eos_token_id: the end token has the largest id.
+            eos = jnp.argmax(input_ids, axis=-1)
+        else:
+            eos = jnp.argmax(input_ids == eos_token_id, axis=-1)  # its first occurrence
+        return x, x[jnp.arange(x.shape[0]), eos]
 
 
 class CLIPTextEncoder(nnx.Module):
@@ -127,19 +144,7 @@ class CLIPTextEncoder(nnx.Module):
         self.text_model = TextTransformer(config, dtype=dtype, rngs=rngs)
 
     def __call__(self, input_ids: jax.Array) -> tuple[jax.Array, jax.Array]:
-        tm = self.text_model
-        seq = input_ids.shape[1]
-        x = jnp.take(tm.embeddings.token_embedding.weight[...], input_ids, axis=0)
-        x = x + tm.embeddings.position_embedding.weight[...][:seq]
-        for layer in tm.encoder.layers:
-            x = layer(x)
-        x = tm.final_layer_norm(x)
-        if self.config.eos_token_id == 2:
-            # Checkpoints from before transformers fixed eos_token_id: the end token has the largest id.
-            eos = jnp.argmax(input_ids, axis=-1)
-        else:
-            eos = jnp.argmax(input_ids == self.config.eos_token_id, axis=-1)  # its first occurrence
-        return x, x[jnp.arange(x.shape[0]), eos]
+        return self.text_model(input_ids, self.config.eos_token_id)
 
     @classmethod
     def from_pretrained(cls, path: str | Path, dtype: jnp.dtype = jnp.bfloat16, *,

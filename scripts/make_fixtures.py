@@ -31,7 +31,7 @@ import torch
 if str(Path(__file__).resolve().parent) not in sys.path:  # the fixtures package beside this file
     sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from fixtures import flux, key_coverage, krea2, lora, tokenizer_parity, vae  # noqa: E402
+from fixtures import clip, flux, key_coverage, krea2, lora, tokenizer_parity, vae  # noqa: E402
 
 FIXTURES = Path(__file__).resolve().parent.parent / "tests" / "fixtures"
 
@@ -66,6 +66,7 @@ GROUPS = {
     "key_coverage": (key_coverage.write_key_coverage, "."),
     "tokenizers": (tokenizer_parity.write_tokenizers, "tokenizers"),
     "flux_lora_export": (lora.write_flux_lora_export, "flux"),
+    "clip": (clip.write_clip, "clip"),
 }
 
 
