@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -24,11 +25,68 @@ from .pipeline_common import image_position_ids
 from .pipeline_krea2 import Krea2Pipeline
 
 
+PROMPT_SETS = {"coco100": Path(__file__).parent / "prompts" / "coco100.txt"}  # everyday scenes, written for mxdit
+
+
 @dataclasses.dataclass(frozen=True)
 class QualityRow:
     fmt: str
     weight_bytes: int
     report: GateReport | None  # None for the unquantized reference
+    images: np.ndarray | None = None  # uint8 (prompts, height, width * seeds, 3): each prompt's seeds side by side
+
+
+def read_prompts(source: str) -> list[str]:
+    """The prompts of a built-in set (`PROMPT_SETS`: "coco100") or of a text file, a prompt a line (blank lines
+    skipped). Raises ValueError naming the file when it cannot be read or holds no prompt."""
+    path = PROMPT_SETS.get(source, Path(source))
+    try:
+        prompts = [line.strip() for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"--prompts {source}: {e}") from None
+    if not prompts:
+        raise ValueError(f"--prompts {source}: no prompts in the file")
+    return prompts
+
+
+def contact_sheet(images: Sequence[Sequence[np.ndarray]], row_labels: Sequence[str], column_labels: Sequence[str],
+                  captions: Sequence[Sequence[str]] | None = None, label_width: int = 220, title: str | None = None):
+    """A PIL image a person can read the figures against: one row an entry of `row_labels` (a prompt, wrapped in
+    the left margin), one column an entry of `column_labels` (a format, over its column), each cell its uint8
+    (h, w, 3) image with its caption under it (its figures, "SSIM 0.991 | PSNR 38.2": a line each). All images one
+    size; `title`, if given, on a line above everything."""
+    from PIL import Image, ImageDraw
+
+    h, w = images[0][0].shape[:2]
+    line = 12
+    top_band = (line + 4 if title else 0)
+    header, caption_height = top_band + 2 * line + 4, 2 * line + 6
+    sheet = Image.new("RGB", (label_width + w * len(column_labels), header + (h + caption_height) * len(row_labels)),
+                      "white")
+    draw = ImageDraw.Draw(sheet)
+    if title:
+        draw.text((4, 2), title, fill="black")
+    for c, label in enumerate(column_labels):
+        for i, text in enumerate(_wrap(label, max(4, w // 6))[:2]):
+            draw.text((label_width + c * w + 2, top_band + 2 + i * line), text, fill="black")
+    for r, label in enumerate(row_labels):
+        top = header + r * (h + caption_height)
+        for i, text in enumerate(_wrap(label, label_width // 7)[: (h + caption_height) // line]):
+            draw.text((4, top + 2 + i * line), text, fill="black")
+        for c, image in enumerate(images[r]):
+            if image.shape[:2] != (h, w):
+                raise ValueError(f"contact_sheet: image ({r}, {c}) is {image.shape[:2]}, the first {(h, w)}")
+            sheet.paste(Image.fromarray(np.asarray(image, np.uint8)), (label_width + c * w, top))
+            lines = [part.strip() for part in captions[r][c].split("|")] if captions else []
+            for i, text in enumerate(lines[:2]):
+                draw.text((label_width + c * w + 2, top + h + 3 + i * line), text, fill="black")
+    return sheet
+
+
+def _wrap(text: str, width: int) -> list[str]:
+    import textwrap
+
+    return textwrap.wrap(text, width) or [""]
 
 
 def krea2_quality(pipe: Krea2Pipeline, formats: Sequence[str], prompts: Sequence[str], seeds: Sequence[int], *,
@@ -44,7 +102,7 @@ def krea2_quality(pipe: Krea2Pipeline, formats: Sequence[str], prompts: Sequence
     kwargs = dict(height=height, width=width, num_inference_steps=steps, max_sequence_length=max_sequence_length,
                   output_type="np")
 
-    def images(p: Krea2Pipeline) -> np.ndarray:
+    def images(p: Krea2Pipeline) -> np.ndarray:  # (prompts, height, width * seeds, 3)
         return np.concatenate([unit_range_to_uint8(p(prompts, seed=s, **kwargs).images * 2 - 1) for s in seeds], axis=2)
 
     def velocity(model) -> np.ndarray:  # one transformer call on fixed inputs, as the gates' tensor check
@@ -57,7 +115,7 @@ def krea2_quality(pipe: Krea2Pipeline, formats: Sequence[str], prompts: Sequence
     params = dict(iter_params(pipe.transformer))
     shapes = {k: (tuple(v.shape), v.dtype) for k, v in params.items()}
     reference_images, reference_velocity = images(pipe), velocity(pipe.transformer)
-    rows = [QualityRow("reference", weight_bytes(shapes, []), None)]
+    rows = [QualityRow("reference", weight_bytes(shapes, []), None, reference_images)]
     for fmt in formats:
         rules = krea2_rules(fmt)
         transformer = with_params(pipe.transformer, dequantize_model(quantize_model(params, rules), pipe.transformer.dtype))
@@ -73,8 +131,9 @@ def krea2_quality(pipe: Krea2Pipeline, formats: Sequence[str], prompts: Sequence
                 variants.append((f"{fmt} GEMM+{attention}", with_attention))
         for name, model in variants:
             quantized = Krea2Pipeline(model, pipe.vae, pipe.text_encoder, pipe.tokenizer, pipe.config)
-            report = evaluate(fmt, velocity(model), reference_velocity, images(quantized), reference_images)
-            rows.append(QualityRow(name, weight_bytes(shapes, rules), report))
+            candidate = images(quantized)
+            report = evaluate(fmt, velocity(model), reference_velocity, candidate, reference_images)
+            rows.append(QualityRow(name, weight_bytes(shapes, rules), report, candidate))
     return rows
 
 
@@ -101,3 +160,46 @@ def format_table(rows: Sequence[QualityRow]) -> str:
         lines.append(f"{row.fmt:<{width}}{r.ssim:8.4f}{100 * r.ssim:9.1f}%{r.psnr:9.2f}{r.cosine:10.6f}"
                      f"{r.relative_l2:11.4f}{row.weight_bytes / 1e6:12.2f}  {gate}")
     return "\n".join(lines)
+
+
+def quality_sheet(rows: Sequence[QualityRow], prompts: Sequence[str], width: int, title: str | None = None,
+                  thumbnail: int = 256):
+    """`contact_sheet` of a quality table: one row a prompt (its first seed's image, scaled to `thumbnail` pixels
+    wide where it is wider: 100 prompts of 1024-pixel images would make a sheet too large to open), one column a row
+    of the table, captioned with that format's SSIM and PSNR against the reference image of the same prompt (at full
+    size)."""
+    from PIL import Image
+
+    from mxdit.quant.gates import psnr, ssim
+
+    def small(image: np.ndarray) -> np.ndarray:
+        h, w = image.shape[:2]
+        if w <= thumbnail:
+            return image
+        size = (thumbnail, round(h * thumbnail / w))
+        return np.asarray(Image.fromarray(image).resize(size, Image.Resampling.LANCZOS))
+
+    reference = rows[0].images
+    cells, captions = [], []
+    for p in range(len(prompts)):
+        cells.append([small(row.images[p, :, :width]) for row in rows])
+        line = []
+        for row in rows:
+            image, ref = row.images[p, :, :width], reference[p, :, :width]
+            line.append("reference" if row.report is None else
+                        f"SSIM {ssim(image, ref):.3f} | PSNR {psnr(image, ref):.1f}")
+        captions.append(line)
+    return contact_sheet(cells, prompts, [row.fmt for row in rows], captions, title=title)
+
+
+def table_json(rows: Sequence[QualityRow]) -> list[dict]:
+    """The table's rows as JSON-ready dicts: format, weight bytes, and the gate's figures and verdict."""
+    out = []
+    for row in rows:
+        entry = {"format": row.fmt, "weight_bytes": row.weight_bytes}
+        if row.report is not None:
+            entry.update({k: (str(v) if isinstance(v, float) and not np.isfinite(v) else v)  # PSNR of equal images
+                          for k, v in dataclasses.asdict(row.report).items() if k != "fmt"})
+            entry["passed"] = row.report.passed
+        out.append(entry)
+    return out

@@ -1,10 +1,13 @@
 """Image quality of each quantization format against the unquantized model (weight-only quantization).
 
     python scripts/eval_quality.py --model /models/Krea-2-Turbo --prompt "a red fox in the snow" --seeds 0 1 2
+    python scripts/eval_quality.py --model /models/Krea-2-Turbo --prompts coco100 --sheet sheet.png --json table.json
     python scripts/eval_quality.py --demo        # the built-in random-weight model: exercises the path, no quality claim
 
 Prints, per format: SSIM and PSNR of the decoded images against the unquantized ones, the transformer output's
-cosine and relative L2, the weight bytes, and whether the format passes its gate (quant/gates.py).
+cosine and relative L2, the weight bytes, and whether the format passes its gate (quant/gates.py). `--prompts`
+takes a text file (a prompt a line) or `coco100`, 100 everyday scenes written for this table; `--sheet` writes a
+contact sheet (a row a prompt, a column a format, each image captioned with its SSIM and PSNR), `--json` the table.
 """
 
 from __future__ import annotations
@@ -23,7 +26,12 @@ def main(argv=None) -> int:
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--model", type=Path, help="a diffusers-layout Krea 2 folder")
     source.add_argument("--demo", action="store_true")
-    parser.add_argument("--prompt", action="append", default=None)
+    prompts = parser.add_mutually_exclusive_group()
+    prompts.add_argument("--prompt", action="append", default=None)
+    prompts.add_argument("--prompts", default=None, metavar="FILE|coco100",
+                         help="a text file of prompts, a prompt a line, or the built-in set coco100")
+    parser.add_argument("--sheet", type=Path, default=None, metavar="PNG", help="write the contact sheet here")
+    parser.add_argument("--json", type=Path, default=None, metavar="FILE", help="write the table here as JSON")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0])
     parser.add_argument("--formats", nargs="+", default=formats(), choices=formats())
     parser.add_argument("--size", type=int, default=None, help="image side (default 1024; demo 64)")
@@ -39,13 +47,20 @@ def main(argv=None) -> int:
     from mxdit.model.inference import InferenceOptions, build_pipeline
     from mxdit.model.loading import CheckpointError
     from mxdit.model.pipeline_krea2 import Krea2Pipeline
-    from mxdit.model.quality import format_table, krea2_quality
+    from mxdit.model.quality import format_table, krea2_quality, quality_sheet, read_prompts, table_json
 
     if args.attention and not args.kernels:
         parser.error("--attention: only with --kernels (it adds rows to the inference path's)")
     size = args.size or (64 if args.demo else 1024)
     if size % 16:
         parser.error(f"--size {size}: must be a multiple of 16")
+    for flag, path in (("--sheet", args.sheet), ("--json", args.json)):
+        if path is not None and not path.parent.is_dir():
+            parser.error(f"{flag} {path}: folder {path.parent} does not exist")
+    try:
+        prompt_list = read_prompts(args.prompts) if args.prompts else args.prompt or ["a red fox in the snow, photo"]
+    except ValueError as e:
+        parser.error(str(e))
     # The reference as loaded: the table quantizes (and, for the GEMM rows, stacks) copies of it itself.
     options = InferenceOptions(dtype="float32" if args.demo else "bfloat16", stack=False)
     try:
@@ -57,11 +72,26 @@ def main(argv=None) -> int:
     except (CheckpointError, ValueError) as e:
         print(f"eval_quality.py: error: {e}", file=sys.stderr)
         return 2
-    rows = krea2_quality(pipe, args.formats, args.prompt or ["a red fox in the snow, photo"], args.seeds,
+    rows = krea2_quality(pipe, args.formats, prompt_list, args.seeds,
                          height=size, width=size, steps=args.steps or (2 if args.demo else None),
                          max_sequence_length=args.max_sequence_length or (64 if args.demo else 512),
                          activations=args.activations, kernels=args.kernels, attention=args.attention)
     print(format_table(rows))
+    if args.sheet is not None:
+        from mxdit.model.loading import write_atomically
+
+        title = ("demo model, RANDOM weights: the figures show the machinery, not a format's quality" if args.demo
+                 else f"{args.model.name}: each format against the unquantized model, seed {args.seeds[0]}")
+        sheet = quality_sheet(rows, prompt_list, size, title)
+        write_atomically(args.sheet, lambda tmp: sheet.save(tmp, format="PNG"))
+        print(f"wrote {args.sheet} ({len(prompt_list)} prompts x {len(rows)} columns)")
+    if args.json is not None:
+        import json
+
+        from mxdit.model.loading import write_atomically
+
+        write_atomically(args.json, lambda tmp: tmp.write_text(json.dumps(table_json(rows), indent=1)))
+        print(f"wrote {args.json}")
     return 0
 
 
