@@ -182,3 +182,34 @@ def clip_pixels(images: Sequence, size: int = 224) -> np.ndarray:
         array = np.asarray(resized, np.float32)[top:top + size, left:left + size] / 255.0
         out.append(((array - np.asarray(CLIP_MEAN, np.float32)) / np.asarray(CLIP_STD, np.float32)).transpose(2, 0, 1))
     return np.stack(out).astype(np.float32)
+
+
+def load_clip(folder: str | Path, dtype: jnp.dtype = jnp.float32):
+    """A transformers CLIP folder (e.g. openai/clip-vit-base-patch16): the model and its tokenizer."""
+    from .tokenizer import TextTokenizer
+
+    return CLIPModel.from_pretrained(folder, dtype), TextTokenizer.from_folder(folder)
+
+
+@nnx.jit
+def _clip_score(model: CLIPModel, pixels: jax.Array, input_ids: jax.Array) -> jax.Array:
+    return model.clip_score(pixels, input_ids)
+
+
+def clip_scores(model: CLIPModel, tokenizer, images: Sequence, prompts: Sequence[str], batch: int = 16) -> np.ndarray:
+    """The CLIP score of each image (PIL, or uint8 (h, w, 3)) with its prompt, as torchmetrics' `clip_score` takes
+    it with transformers' processor: the image through `clip_pixels`, the prompt tokenized to the text tower's
+    length (truncated there, padded with the end token), 100 times their cosine, at least 0. (images,) float32."""
+    from PIL import Image
+
+    if len(images) != len(prompts):
+        raise ValueError(f"clip_scores: {len(images)} images for {len(prompts)} prompts")
+    images = [image if isinstance(image, Image.Image) else Image.fromarray(np.asarray(image, np.uint8))
+              for image in images]
+    out = []
+    for start in range(0, len(images), batch):
+        part = slice(start, start + batch)
+        ids, _ = tokenizer(list(prompts[part]), max_length=model.config.text.max_position_embeddings)
+        pixels = clip_pixels(images[part], model.config.vision.image_size)
+        out.append(np.asarray(_clip_score(model, jnp.asarray(pixels), jnp.asarray(ids))))
+    return np.concatenate(out).astype(np.float32)

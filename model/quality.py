@@ -34,6 +34,22 @@ class QualityRow:
     weight_bytes: int
     report: GateReport | None  # None for the unquantized reference
     images: np.ndarray | None = None  # uint8 (prompts, height, width * seeds, 3): each prompt's seeds side by side
+    clip_scores: np.ndarray | None = None  # (prompts, seeds): each image's CLIP score with its prompt
+
+    @property
+    def clip_score(self) -> float | None:
+        return None if self.clip_scores is None else float(np.mean(self.clip_scores))
+
+
+CLIP_MAX_DROP = 0.5  # a format may lose this much mean CLIP score against the reference (AMD Quark's MXFP4 bound)
+
+
+def clip_failure(row: QualityRow, reference: QualityRow) -> str | None:
+    """The CLIP gate's failure line for `row` against the reference row, or None (passed, or no CLIP scores)."""
+    if row.clip_scores is None or reference.clip_scores is None:
+        return None
+    drop = reference.clip_score - row.clip_score
+    return f"CLIP {-drop:+.2f} vs reference (allowed -{CLIP_MAX_DROP})" if drop > CLIP_MAX_DROP else None
 
 
 def read_prompts(source: str) -> list[str]:
@@ -60,7 +76,8 @@ def contact_sheet(images: Sequence[Sequence[np.ndarray]], row_labels: Sequence[s
     h, w = images[0][0].shape[:2]
     line = 12
     top_band = (line + 4 if title else 0)
-    header, caption_height = top_band + 2 * line + 4, 2 * line + 6
+    caption_lines = max((len(c.split("|")) for row in captions for c in row), default=0) if captions else 0
+    header, caption_height = top_band + 2 * line + 4, caption_lines * line + 6
     sheet = Image.new("RGB", (label_width + w * len(column_labels), header + (h + caption_height) * len(row_labels)),
                       "white")
     draw = ImageDraw.Draw(sheet)
@@ -78,7 +95,7 @@ def contact_sheet(images: Sequence[Sequence[np.ndarray]], row_labels: Sequence[s
                 raise ValueError(f"contact_sheet: image ({r}, {c}) is {image.shape[:2]}, the first {(h, w)}")
             sheet.paste(Image.fromarray(np.asarray(image, np.uint8)), (label_width + c * w, top))
             lines = [part.strip() for part in captions[r][c].split("|")] if captions else []
-            for i, text in enumerate(lines[:2]):
+            for i, text in enumerate(lines):
                 draw.text((label_width + c * w + 2, top + h + 3 + i * line), text, fill="black")
     return sheet
 
@@ -91,7 +108,8 @@ def _wrap(text: str, width: int) -> list[str]:
 
 def krea2_quality(pipe: Krea2Pipeline, formats: Sequence[str], prompts: Sequence[str], seeds: Sequence[int], *,
                   height: int, width: int, steps: int | None = None, max_sequence_length: int = 512,
-                  activations: bool = False, kernels: bool = False, attention: str | None = None) -> list[QualityRow]:
+                  activations: bool = False, kernels: bool = False, attention: str | None = None,
+                  clip=None) -> list[QualityRow]:
     """The quality table of a Krea 2 pipeline: per format, SSIM and PSNR of the decoded images against the
     unquantized ones (all prompts x seeds side by side), cosine etc. of the transformer's output on fixed inputs.
     Weights only, or with `activations` also the inputs of the quantized layers (rows named `fmt W+A`, the inputs
@@ -101,6 +119,14 @@ def krea2_quality(pipe: Krea2Pipeline, formats: Sequence[str], prompts: Sequence
     the attention kernel (rows `fmt GEMM+attention`; the reference keeps the pipeline's own attention)."""
     kwargs = dict(height=height, width=width, num_inference_steps=steps, max_sequence_length=max_sequence_length,
                   output_type="np")
+
+    def scores(images: np.ndarray) -> np.ndarray | None:  # `clip`: (CLIPModel, its tokenizer), `model.clip.load_clip`
+        if clip is None:
+            return None
+        from .clip import clip_scores
+
+        tiles = [images[p, :, s * width:(s + 1) * width] for p in range(len(prompts)) for s in range(len(seeds))]
+        return clip_scores(*clip, tiles, [p for p in prompts for _ in seeds]).reshape(len(prompts), len(seeds))
 
     def images(p: Krea2Pipeline) -> np.ndarray:  # (prompts, height, width * seeds, 3)
         return np.concatenate([unit_range_to_uint8(p(prompts, seed=s, **kwargs).images * 2 - 1) for s in seeds], axis=2)
@@ -115,7 +141,7 @@ def krea2_quality(pipe: Krea2Pipeline, formats: Sequence[str], prompts: Sequence
     params = dict(iter_params(pipe.transformer))
     shapes = {k: (tuple(v.shape), v.dtype) for k, v in params.items()}
     reference_images, reference_velocity = images(pipe), velocity(pipe.transformer)
-    rows = [QualityRow("reference", weight_bytes(shapes, []), None, reference_images)]
+    rows = [QualityRow("reference", weight_bytes(shapes, []), None, reference_images, scores(reference_images))]
     for fmt in formats:
         rules = krea2_rules(fmt)
         transformer = with_params(pipe.transformer, dequantize_model(quantize_model(params, rules), pipe.transformer.dtype))
@@ -133,7 +159,7 @@ def krea2_quality(pipe: Krea2Pipeline, formats: Sequence[str], prompts: Sequence
             quantized = Krea2Pipeline(model, pipe.vae, pipe.text_encoder, pipe.tokenizer, pipe.config)
             candidate = images(quantized)
             report = evaluate(fmt, velocity(model), reference_velocity, candidate, reference_images)
-            rows.append(QualityRow(name, weight_bytes(shapes, rules), report, candidate))
+            rows.append(QualityRow(name, weight_bytes(shapes, rules), report, candidate, scores(candidate)))
     return rows
 
 
@@ -148,17 +174,23 @@ def format_table(rows: Sequence[QualityRow]) -> str:
     """format | SSIM vs the unquantized images | relative SSIM | PSNR | DiT output cosine and rel. L2 | weights | gate.
     The reference is the unquantized model itself, so relative SSIM (quality relative to the reference's) is SSIM / 1."""
     width = max([16] + [len(row.fmt) + 2 for row in rows])
+    with_clip = rows[0].clip_scores is not None
+
+    def clip(row: QualityRow) -> str:
+        return f"{row.clip_score:8.2f}" if with_clip else ""
+
     lines = [f"{'format':<{width}}{'SSIM':>8}{'rel SSIM':>10}{'PSNR dB':>9}{'DiT cos':>10}{'DiT relL2':>11}"
-             f"{'weights MB':>12}  gate"]
+             f"{'weights MB':>12}{'CLIP' if with_clip else '':>{8 if with_clip else 0}}  gate"]
     for row in rows:
         if row.report is None:
             lines.append(f"{row.fmt:<{width}}{1.0:8.4f}{'100.0%':>10}{'inf':>9}{1.0:10.6f}{0.0:11.4f}"
-                         f"{row.weight_bytes / 1e6:12.2f}  -")
+                         f"{row.weight_bytes / 1e6:12.2f}{clip(row)}  -")
             continue
         r = row.report
-        gate = "pass" if r.passed else "FAIL: " + "; ".join(r.failures)
+        failures = list(r.failures) + [f for f in [clip_failure(row, rows[0])] if f]
+        gate = "FAIL: " + "; ".join(failures) if failures else "pass"
         lines.append(f"{row.fmt:<{width}}{r.ssim:8.4f}{100 * r.ssim:9.1f}%{r.psnr:9.2f}{r.cosine:10.6f}"
-                     f"{r.relative_l2:11.4f}{row.weight_bytes / 1e6:12.2f}  {gate}")
+                     f"{r.relative_l2:11.4f}{row.weight_bytes / 1e6:12.2f}{clip(row)}  {gate}")
     return "\n".join(lines)
 
 
@@ -186,8 +218,10 @@ def quality_sheet(rows: Sequence[QualityRow], prompts: Sequence[str], width: int
         line = []
         for row in rows:
             image, ref = row.images[p, :, :width], reference[p, :, :width]
-            line.append("reference" if row.report is None else
-                        f"SSIM {ssim(image, ref):.3f} | PSNR {psnr(image, ref):.1f}")
+            figures = [] if row.report is None else [f"SSIM {ssim(image, ref):.3f}", f"PSNR {psnr(image, ref):.1f}"]
+            if row.clip_scores is not None:
+                figures.append(f"CLIP {row.clip_scores[p, 0]:.1f}")
+            line.append(" | ".join(figures or ["reference"]))
         captions.append(line)
     return contact_sheet(cells, prompts, [row.fmt for row in rows], captions, title=title)
 
@@ -197,9 +231,14 @@ def table_json(rows: Sequence[QualityRow]) -> list[dict]:
     out = []
     for row in rows:
         entry = {"format": row.fmt, "weight_bytes": row.weight_bytes}
+        if row.clip_scores is not None:
+            entry["clip_score"] = row.clip_score
         if row.report is not None:
             entry.update({k: (str(v) if isinstance(v, float) and not np.isfinite(v) else v)  # PSNR of equal images
                           for k, v in dataclasses.asdict(row.report).items() if k != "fmt"})
-            entry["passed"] = row.report.passed
+            failure = clip_failure(row, rows[0])
+            entry["passed"] = row.report.passed and failure is None
+            if failure:
+                entry["failures"] = [*entry["failures"], failure]
         out.append(entry)
     return out

@@ -7,7 +7,8 @@
 Prints, per format: SSIM and PSNR of the decoded images against the unquantized ones, the transformer output's
 cosine and relative L2, the weight bytes, and whether the format passes its gate (quant/gates.py). `--prompts`
 takes a text file (a prompt a line) or `coco100`, 100 everyday scenes written for this table; `--sheet` writes a
-contact sheet (a row a prompt, a column a format, each image captioned with its SSIM and PSNR), `--json` the table.
+contact sheet (a row a prompt, a column a format, each image captioned with its SSIM, PSNR and, with `--clip DIR`,
+its CLIP score), `--json` the table.
 """
 
 from __future__ import annotations
@@ -30,6 +31,9 @@ def main(argv=None) -> int:
     prompts.add_argument("--prompt", action="append", default=None)
     prompts.add_argument("--prompts", default=None, metavar="FILE|coco100",
                          help="a text file of prompts, a prompt a line, or the built-in set coco100")
+    parser.add_argument("--clip", type=Path, default=None, metavar="DIR",
+                        help="a transformers CLIP folder (openai/clip-vit-base-patch16 in the seeds' protocol): each "
+                             "image's CLIP score with its prompt, gated at a drop of 0.5 from the reference")
     parser.add_argument("--sheet", type=Path, default=None, metavar="PNG", help="write the contact sheet here")
     parser.add_argument("--json", type=Path, default=None, metavar="FILE", help="write the table here as JSON")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0])
@@ -61,6 +65,8 @@ def main(argv=None) -> int:
         prompt_list = read_prompts(args.prompts) if args.prompts else args.prompt or ["a red fox in the snow, photo"]
     except ValueError as e:
         parser.error(str(e))
+    if args.clip is not None and not args.clip.is_dir():
+        parser.error(f"--clip {args.clip}: no such folder")
     # The reference as loaded: the table quantizes (and, for the GEMM rows, stacks) copies of it itself.
     options = InferenceOptions(dtype="float32" if args.demo else "bfloat16", stack=False)
     try:
@@ -69,13 +75,19 @@ def main(argv=None) -> int:
         pipe = build_pipeline(None if args.demo else args.model, options)
         if not isinstance(pipe, Krea2Pipeline):
             raise ValueError(f"--model {args.model}: a {type(pipe).__name__}; the quality table is Krea 2's")
+        clip = None
+        if args.clip is not None:
+            from mxdit.model.clip import load_clip
+
+            clip = load_clip(args.clip)
     except (CheckpointError, ValueError) as e:
         print(f"eval_quality.py: error: {e}", file=sys.stderr)
         return 2
     rows = krea2_quality(pipe, args.formats, prompt_list, args.seeds,
                          height=size, width=size, steps=args.steps or (2 if args.demo else None),
                          max_sequence_length=args.max_sequence_length or (64 if args.demo else 512),
-                         activations=args.activations, kernels=args.kernels, attention=args.attention)
+                         activations=args.activations, kernels=args.kernels, attention=args.attention,
+                         clip=clip)
     print(format_table(rows))
     if args.sheet is not None:
         from mxdit.model.loading import write_atomically

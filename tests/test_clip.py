@@ -30,3 +30,20 @@ def test_clip_pixels_are_the_image_processors():
     for name in ("image_300x451", "image_97x64"):
         pixels = clip_pixels([Image.fromarray(reference[name])])[0]
         np.testing.assert_allclose(pixels, reference[f"pixels_{name}"], rtol=0, atol=1e-6)  # measured: equal
+
+
+def test_the_clip_score_tokenizes_and_preprocesses_as_transformers_does():
+    """`load_clip` reads the folder's tokenizer too: its ids are transformers' CLIPTokenizer's (padded to 77 with the
+    end token); `clip_scores` of images and prompts is 100 times the cosine of the towers' embeddings, at least 0."""
+    from mxdit.model.clip import clip_scores, load_clip
+
+    reference = np.load(REFERENCE)
+    model, tokenizer = load_clip(FIXTURES / "clip" / "tiny")
+    prompts = [str(p) for p in reference["prompts"]]
+    ids, _ = tokenizer(prompts, max_length=77)
+    np.testing.assert_array_equal(ids, reference["input_ids"])
+    images = [reference["image_300x451"], reference["image_97x64"]]
+    scores = clip_scores(model, tokenizer, images, prompts)
+    pixels = clip_pixels([Image.fromarray(image) for image in images], 32)
+    cosine = np.sum(np.asarray(model.image_embeds(jnp.asarray(pixels))) * np.asarray(model.text_embeds(ids)), -1)
+    np.testing.assert_allclose(scores, np.maximum(100 * cosine, 0), rtol=1e-5, atol=1e-4)

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from conftest import FIXTURES
 from mxdit.model.quality import contact_sheet, read_prompts
 
 
@@ -56,14 +57,16 @@ def test_demo_run_writes_the_table_the_json_and_the_sheet(tmp_path, capsys):
     prompts.write_text("a red fox in the snow\na lighthouse at night\n")
     sheet, table = tmp_path / "sheet.png", tmp_path / "table.json"
     code = script.main(["--demo", "--formats", "fp8_e4m3", "mxfp4_e2m1", "--prompts", str(prompts), "--size", "32",
-                        "--steps", "1", "--sheet", str(sheet), "--json", str(table)])
+                        "--steps", "1", "--clip", str(FIXTURES / "clip" / "tiny"), "--sheet", str(sheet),
+                        "--json", str(table)])
     out = capsys.readouterr().out
-    assert code == 0 and "RANDOM weights" in out and "mxfp4_e2m1" in out
+    assert code == 0 and "RANDOM weights" in out and "mxfp4_e2m1" in out and "CLIP" in out
     rows = json.loads(table.read_text())
     assert [r["format"] for r in rows] == ["reference", "fp8_e4m3", "mxfp4_e2m1"]
     assert all(0 < r["ssim"] <= 1 and isinstance(r["passed"], bool) for r in rows[1:])
-    with Image.open(sheet) as image:
-        assert image.size == (220 + 3 * 32, 16 + 28 + 2 * (32 + 30))  # a title line, the labels, two rows
+    assert all(0 <= r["clip_score"] <= 100 for r in rows)
+    with Image.open(sheet) as image:  # a title line, the labels, two rows of images with three caption lines
+        assert image.size == (220 + 3 * 32, 16 + 28 + 2 * (32 + 3 * 12 + 6))
     with pytest.raises(SystemExit):
         script.main(["--demo", "--prompts", str(tmp_path / "missing.txt")])
     assert "missing.txt" in capsys.readouterr().err
