@@ -4,6 +4,7 @@ transformer's output and the decoded images through `quant.gates`."""
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from collections.abc import Sequence
 from pathlib import Path
@@ -15,13 +16,15 @@ from flax import nnx
 
 from mxdit.ops.names import AttentionKernel
 from mxdit.quant.gates import GateReport, evaluate
-from mxdit.quant.model import (dequantize_model, krea2_rules, quantize_activations, quantize_linear_layers,
+from mxdit.quant.model import (dequantize_model, flux_rules, krea2_rules, quantize_activations, quantize_linear_layers,
                                quantize_model, weight_bytes, with_params)
 
 from .images import unit_range_to_uint8
-from .krea2 import stack_projections
+from . import flux as flux_model
+from . import krea2 as krea2_model
 from .loading import iter_params
 from .pipeline_common import image_position_ids
+from .pipeline_flux import FluxPipeline
 from .pipeline_krea2 import Krea2Pipeline
 
 
@@ -106,19 +109,23 @@ def _wrap(text: str, width: int) -> list[str]:
     return textwrap.wrap(text, width) or [""]
 
 
-def krea2_quality(pipe: Krea2Pipeline, formats: Sequence[str], prompts: Sequence[str], seeds: Sequence[int], *,
-                  height: int, width: int, steps: int | None = None, max_sequence_length: int = 512,
-                  activations: bool = False, kernels: bool = False, attention: str | None = None,
-                  clip=None) -> list[QualityRow]:
-    """The quality table of a Krea 2 pipeline: per format, SSIM and PSNR of the decoded images against the
-    unquantized ones (all prompts x seeds side by side), cosine etc. of the transformer's output on fixed inputs.
+def quality_table(pipe: Krea2Pipeline | FluxPipeline, formats: Sequence[str], prompts: Sequence[str],
+                  seeds: Sequence[int], *, height: int, width: int, steps: int | None = None,
+                  max_sequence_length: int = 512, guidance: float | None = None, activations: bool = False,
+                  kernels: bool = False, attention: str | None = None, clip=None) -> list[QualityRow]:
+    """The quality table of a Krea 2 or FLUX.1 pipeline: per format, SSIM and PSNR of the decoded images against
+    the unquantized ones (all prompts x seeds side by side), cosine etc. of the transformer's output on fixed inputs.
+    `guidance`: the pipeline's guidance scale (None: its default; FLUX.1-dev's embedded guidance, Krea 2's CFG).
+    `clip`: (CLIPModel, its tokenizer) from `clip.load_clip`, for each image's CLIP score with its prompt.
     Weights only, or with `activations` also the inputs of the quantized layers (rows named `fmt W+A`, the inputs
     in the weights' format), or with `kernels` the inference path itself (rows `fmt GEMM`: `quantize_linear_layers`,
     the GEMM kernels' numerics with activations per token in FP8, or INT8 for INT8 weights, the projections stacked
     as generate.py stacks them), and with `attention` (a kernel name, e.g. "int8_mosaic_fp8") also that path with
     the attention kernel (rows `fmt GEMM+attention`; the reference keeps the pipeline's own attention)."""
+    flux = isinstance(pipe, FluxPipeline)
+    family_rules = flux_rules if flux else krea2_rules
     kwargs = dict(height=height, width=width, num_inference_steps=steps, max_sequence_length=max_sequence_length,
-                  output_type="np")
+                  output_type="np", **({} if guidance is None else {"guidance_scale": guidance}))
 
     def scores(images: np.ndarray) -> np.ndarray | None:  # `clip`: (CLIPModel, its tokenizer), `model.clip.load_clip`
         if clip is None:
@@ -128,13 +135,20 @@ def krea2_quality(pipe: Krea2Pipeline, formats: Sequence[str], prompts: Sequence
         tiles = [images[p, :, s * width:(s + 1) * width] for p in range(len(prompts)) for s in range(len(seeds))]
         return clip_scores(*clip, tiles, [p for p in prompts for _ in seeds]).reshape(len(prompts), len(seeds))
 
-    def images(p: Krea2Pipeline) -> np.ndarray:  # (prompts, height, width * seeds, 3)
+    def images(p) -> np.ndarray:  # (prompts, height, width * seeds, 3)
         return np.concatenate([unit_range_to_uint8(p(prompts, seed=s, **kwargs).images * 2 - 1) for s in seeds], axis=2)
 
     def velocity(model) -> np.ndarray:  # one transformer call on fixed inputs, as the gates' tensor check
-        embeds, mask = pipe.encode_prompt(list(prompts[:1]), max_sequence_length)
         grid_h, grid_w = height // 16, width // 16
         latents = jax.random.normal(jax.random.key(0), (1, grid_h * grid_w, model.config.in_channels))
+        if flux:
+            embeds, pooled = pipe.encode_prompt(list(prompts[:1]), max_sequence_length=max_sequence_length)
+            g = jnp.full((1,), 3.5 if guidance is None else guidance) if model.config.guidance_embeds else None
+            out = _flux_transformer(model, latents, embeds, pooled, jnp.full((1,), 0.7),
+                                    jnp.asarray(image_position_ids(grid_h, grid_w)),
+                                    jnp.zeros((embeds.shape[1], 3), jnp.float32), g)
+            return np.asarray(out, np.float32)
+        embeds, mask = pipe.encode_prompt(list(prompts[:1]), max_sequence_length)
         ids = np.concatenate([np.zeros((embeds.shape[1], 3), np.float32), image_position_ids(grid_h, grid_w)])
         return np.asarray(_transformer(model, latents, embeds, jnp.full((1,), 0.7), jnp.asarray(ids), mask), np.float32)
 
@@ -143,24 +157,30 @@ def krea2_quality(pipe: Krea2Pipeline, formats: Sequence[str], prompts: Sequence
     reference_images, reference_velocity = images(pipe), velocity(pipe.transformer)
     rows = [QualityRow("reference", weight_bytes(shapes, []), None, reference_images, scores(reference_images))]
     for fmt in formats:
-        rules = krea2_rules(fmt)
+        rules = family_rules(fmt)
         transformer = with_params(pipe.transformer, dequantize_model(quantize_model(params, rules), pipe.transformer.dtype))
         variants = [(fmt, transformer)] + ([(f"{fmt} W+A", quantize_activations(transformer, rules))] if activations else [])
         if kernels:
             gemm = nnx.clone(pipe.transformer)
             quantize_linear_layers(gemm, rules, kernels=True)
-            stack_projections(gemm)  # as generate.py runs it: stacked projections, SwiGLU in the FP8 GEMM's epilogue
+            (flux_model if flux else krea2_model).stack_projections(gemm)  # as generate.py runs it
             variants.append((f"{fmt} GEMM", gemm))
             if attention is not None:
                 with_attention = nnx.clone(gemm)
                 with_attention.attention = AttentionKernel(attention)
                 variants.append((f"{fmt} GEMM+{attention}", with_attention))
         for name, model in variants:
-            quantized = Krea2Pipeline(model, pipe.vae, pipe.text_encoder, pipe.tokenizer, pipe.config)
+            quantized = copy.copy(pipe)  # the same pipeline around the variant's transformer
+            quantized.transformer = model
             candidate = images(quantized)
             report = evaluate(fmt, velocity(model), reference_velocity, candidate, reference_images)
             rows.append(QualityRow(name, weight_bytes(shapes, rules), report, candidate, scores(candidate)))
     return rows
+
+
+@jax.jit
+def _flux_transformer(model, latents, embeds, pooled, timestep, img_ids, txt_ids, guidance):
+    return model(latents, embeds, pooled, timestep, img_ids, txt_ids, guidance)
 
 
 @jax.jit

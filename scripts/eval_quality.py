@@ -2,6 +2,8 @@
 
     python scripts/eval_quality.py --model /models/Krea-2-Turbo --prompt "a red fox in the snow" --seeds 0 1 2
     python scripts/eval_quality.py --model /models/Krea-2-Turbo --prompts coco100 --sheet sheet.png --json table.json
+    python scripts/eval_quality.py --model /models/FLUX.1-dev --formats mxfp4_e2m1 --kernels --prompts coco100 \
+        --height 768 --width 1024 --steps 20 --guidance 3.5 --clip /models/clip-vit-base-patch16   # AMD Quark's
     python scripts/eval_quality.py --demo        # the built-in random-weight model: exercises the path, no quality claim
 
 Prints, per format: SSIM and PSNR of the decoded images against the unquantized ones, the transformer output's
@@ -25,7 +27,7 @@ def main(argv=None) -> int:
 
     parser = argparse.ArgumentParser(prog="eval_quality.py", description=__doc__.splitlines()[0])
     source = parser.add_mutually_exclusive_group(required=True)
-    source.add_argument("--model", type=Path, help="a diffusers-layout Krea 2 folder")
+    source.add_argument("--model", type=Path, help="a diffusers-layout Krea 2 or FLUX.1 folder")
     source.add_argument("--demo", action="store_true")
     prompts = parser.add_mutually_exclusive_group()
     prompts.add_argument("--prompt", action="append", default=None)
@@ -39,7 +41,11 @@ def main(argv=None) -> int:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0])
     parser.add_argument("--formats", nargs="+", default=formats(), choices=formats())
     parser.add_argument("--size", type=int, default=None, help="image side (default 1024; demo 64)")
-    parser.add_argument("--steps", type=int, default=None)
+    parser.add_argument("--height", type=int, default=None, help="instead of --size's (FLUX.1's protocol: 768)")
+    parser.add_argument("--width", type=int, default=None, help="instead of --size's")
+    parser.add_argument("--steps", type=int, default=None, help="default: the pipeline's (FLUX.1's protocol: 20)")
+    parser.add_argument("--guidance", type=float, default=None,
+                        help="the pipeline's guidance scale (default its own; FLUX.1-dev's protocol: 3.5)")
     parser.add_argument("--max-sequence-length", type=int, default=None)
     parser.add_argument("--activations", action="store_true", help="also rows with the layers' inputs quantized (W+A)")
     parser.add_argument("--kernels", action="store_true",
@@ -50,14 +56,15 @@ def main(argv=None) -> int:
 
     from mxdit.model.inference import InferenceOptions, build_pipeline
     from mxdit.model.loading import CheckpointError
-    from mxdit.model.pipeline_krea2 import Krea2Pipeline
-    from mxdit.model.quality import format_table, krea2_quality, quality_sheet, read_prompts, table_json
+    from mxdit.model.quality import format_table, quality_sheet, quality_table, read_prompts, table_json
 
     if args.attention and not args.kernels:
         parser.error("--attention: only with --kernels (it adds rows to the inference path's)")
     size = args.size or (64 if args.demo else 1024)
-    if size % 16:
-        parser.error(f"--size {size}: must be a multiple of 16")
+    height, width = args.height or size, args.width or size
+    for flag, value in (("--size", size), ("--height", height), ("--width", width)):
+        if value % 16 or value <= 0:
+            parser.error(f"{flag} {value}: must be a positive multiple of 16")
     for flag, path in (("--sheet", args.sheet), ("--json", args.json)):
         if path is not None and not path.parent.is_dir():
             parser.error(f"{flag} {path}: folder {path.parent} does not exist")
@@ -73,8 +80,6 @@ def main(argv=None) -> int:
         if args.demo:
             print("demo: RANDOM weights -- the figures show the machinery works, not how good a format is")
         pipe = build_pipeline(None if args.demo else args.model, options)
-        if not isinstance(pipe, Krea2Pipeline):
-            raise ValueError(f"--model {args.model}: a {type(pipe).__name__}; the quality table is Krea 2's")
         clip = None
         if args.clip is not None:
             from mxdit.model.clip import load_clip
@@ -83,18 +88,18 @@ def main(argv=None) -> int:
     except (CheckpointError, ValueError) as e:
         print(f"eval_quality.py: error: {e}", file=sys.stderr)
         return 2
-    rows = krea2_quality(pipe, args.formats, prompt_list, args.seeds,
-                         height=size, width=size, steps=args.steps or (2 if args.demo else None),
+    rows = quality_table(pipe, args.formats, prompt_list, args.seeds, height=height, width=width,
+                         steps=args.steps or (2 if args.demo else None),
                          max_sequence_length=args.max_sequence_length or (64 if args.demo else 512),
-                         activations=args.activations, kernels=args.kernels, attention=args.attention,
-                         clip=clip)
+                         guidance=args.guidance, activations=args.activations, kernels=args.kernels,
+                         attention=args.attention, clip=clip)
     print(format_table(rows))
     if args.sheet is not None:
         from mxdit.model.loading import write_atomically
 
         title = ("demo model, RANDOM weights: the figures show the machinery, not a format's quality" if args.demo
                  else f"{args.model.name}: each format against the unquantized model, seed {args.seeds[0]}")
-        sheet = quality_sheet(rows, prompt_list, size, title)
+        sheet = quality_sheet(rows, prompt_list, width, title)
         write_atomically(args.sheet, lambda tmp: sheet.save(tmp, format="PNG"))
         print(f"wrote {args.sheet} ({len(prompt_list)} prompts x {len(rows)} columns)")
     if args.json is not None:

@@ -70,3 +70,22 @@ def test_demo_run_writes_the_table_the_json_and_the_sheet(tmp_path, capsys):
     with pytest.raises(SystemExit):
         script.main(["--demo", "--prompts", str(tmp_path / "missing.txt")])
     assert "missing.txt" in capsys.readouterr().err
+
+
+@pytest.mark.slow  # the tiny FLUX.1 pipeline per row
+def test_the_table_takes_flux_pipelines(tmp_path):
+    """FLUX.1's table as Krea 2's: its own quantization rules, its transformer's call for the output check, its
+    stacked projections in the inference-path row, its embedded guidance."""
+    import jax.numpy as jnp
+
+    from mxdit.model.inference import InferenceOptions, build_pipeline
+    from mxdit.model.quality import format_table, quality_table
+
+    pipe = build_pipeline(FIXTURES / "flux" / "tiny_pipeline", InferenceOptions(dtype="float32", stack=False))
+    rows = quality_table(pipe, ["fp8_e4m3", "mxfp4_e2m1"], ["a red fox"], [0], height=32, width=48, steps=2,
+                         max_sequence_length=16, guidance=3.5, kernels=True)
+    assert [r.fmt for r in rows] == ["reference", "fp8_e4m3", "fp8_e4m3 GEMM", "mxfp4_e2m1", "mxfp4_e2m1 GEMM"]
+    fp8, fp8_gemm, fp4, fp4_gemm = (r.report for r in rows[1:])
+    assert 0.9 < fp4.cosine < fp8.cosine < 1.0 and fp8.nonfinite == fp4_gemm.nonfinite == 0
+    assert rows[0].images.shape == (1, 32, 48, 3) and rows[3].weight_bytes < rows[1].weight_bytes < rows[0].weight_bytes
+    assert "mxfp4_e2m1 GEMM" in format_table(rows) and jnp.isfinite(fp8_gemm.cosine)

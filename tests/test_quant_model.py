@@ -124,14 +124,14 @@ def test_quality_table_on_a_one_block_demo_model(tmp_path):
     import jax
 
     from mxdit.model.pipeline_krea2 import Krea2Pipeline, demo_pipeline
-    from mxdit.model.quality import format_table, krea2_quality
+    from mxdit.model.quality import format_table, quality_table
 
     demo = demo_pipeline(tmp_path / "tokenizer", dtype=jnp.float32)
     config = dataclasses.replace(demo.transformer.config, num_layers=1, num_layerwise_text_blocks=1,
                                  num_refiner_text_blocks=1)
     transformer = Krea2Transformer(config, dtype=jnp.float32, rngs=nnx.Rngs(jax.random.key(0, impl="rbg")))
     pipe = Krea2Pipeline(transformer, demo.vae, demo.text_encoder, demo.tokenizer, demo.config)
-    rows = krea2_quality(pipe, ["fp8_e4m3", "mxfp4_e2m1"], ["a red fox"], [0], height=32, width=32, steps=1,
+    rows = quality_table(pipe, ["fp8_e4m3", "mxfp4_e2m1"], ["a red fox"], [0], height=32, width=32, steps=1,
                          max_sequence_length=16, activations=True, kernels=True, attention="int8_fp8")
     assert [r.fmt for r in rows] == ["reference", "fp8_e4m3", "fp8_e4m3 W+A", "fp8_e4m3 GEMM",
                                      "fp8_e4m3 GEMM+int8_fp8", "mxfp4_e2m1", "mxfp4_e2m1 W+A", "mxfp4_e2m1 GEMM",
