@@ -358,7 +358,7 @@ def test_flux_lora_trains_from_the_command_line(photos, tmp_path, capsys):
     assert code == 2 and "no preset 'authors' for flux" in captured.err and len(captured.err.splitlines()) == 1
 
 
-@pytest.mark.parametrize("base", ["bf16", "fp8_e4m3"])
+@pytest.mark.parametrize("base", ["bf16", pytest.param("fp8_e4m3", marks=pytest.mark.slow)])  # ~26 s
 def test_flux_remat_changes_memory_not_the_gradients(base):
     """Per-block remat recomputes the blocks in the backward: the same loss and gradients, on the unquantized base
     and on a quantized one (whose products' custom gradient is recomputed too)."""
