@@ -17,7 +17,7 @@ from flax import nnx
 
 from .clip_text import CLIPTextConfig, Encoder, LayerNorm, TextTransformer
 from .layers import Linear
-from .loading import KeyMap, config_from_dict, load_state, open_checkpoint, read_json
+from .loading import KeyMap, known_config, load_state, open_checkpoint, read_json
 
 # CLIPImageProcessor's defaults: the released CLIP models' preprocessing
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
@@ -50,13 +50,8 @@ class CLIPConfig:
     @classmethod
     def from_json(cls, path: str | Path) -> "CLIPConfig":
         data = read_json(Path(path))
-
-        def part(config_cls, values):
-            known = {f.name for f in dataclasses.fields(config_cls)}
-            return config_from_dict(config_cls, {k: v for k, v in values.items() if k in known}, str(path))
-
-        return cls(text=part(CLIPTextConfig, data.get("text_config", {})),
-                   vision=part(CLIPVisionConfig, data.get("vision_config", {})),
+        return cls(text=known_config(CLIPTextConfig, data.get("text_config", {}), str(path)),
+                   vision=known_config(CLIPVisionConfig, data.get("vision_config", {}), str(path)),
                    projection_dim=int(data.get("projection_dim", 512)))
 
 

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from .layers import Linear
-from .loading import Checkpoint, KeyMap, config_from_dict, load_state, open_checkpoint, read_json
+from .loading import Checkpoint, KeyMap, known_config, load_state, open_checkpoint, read_json
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,9 +32,7 @@ class CLIPTextConfig:
     @classmethod
     def from_json(cls, path: str | Path) -> "CLIPTextConfig":
         data = read_json(Path(path))
-        data = data.get("text_config", data)
-        known = {f.name for f in dataclasses.fields(cls)}
-        return config_from_dict(cls, {k: v for k, v in data.items() if k in known}, str(path))
+        return known_config(cls, data.get("text_config", data), str(path))
 
 
 ACTIVATIONS = {"quick_gelu": lambda x: x * jax.nn.sigmoid(1.702 * x),

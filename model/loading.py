@@ -80,6 +80,13 @@ def config_from_dict(cls: type[T], data: Mapping[str, Any], source: str) -> T:
         raise CheckpointError(f"{source}: invalid {cls.__name__}: {e}") from None
 
 
+def known_config(cls: type[T], data: Mapping[str, Any], source: str) -> T:
+    """`config_from_dict` on the keys of `data` that `cls` has: a transformers config.json holds many settings (token
+    ids of generation, dropout, architectures) the models do not use, and says nothing by holding them."""
+    known = {f.name for f in dataclasses.fields(cls)}
+    return config_from_dict(cls, {k: v for k, v in data.items() if k in known}, source)
+
+
 READ_AHEAD = 4  # tensors read ahead of the one going to the device (`read_ahead`)
 # Threads those reads run on: a single thread's copies (Python's read into newly touched memory) are slower than what
 # a disk or the page cache give several; the bytes in flight stay READ_AHEAD tensors.
@@ -515,7 +522,7 @@ def load_state(build: Callable[[], nnx.Module], keys: KeyMap, *, source: str = "
     plan = plan_load(abstract, keys)
     plan.raise_problems(source)
     if _SHAPES_ONLY.get():
-        return on_default_device(nnx.eval_shape(lambda: _placed_zeros(build())))
+        return on_default_device(nnx.eval_shape(_placed_zeros, abstract))
     graphdef, state = nnx.split(abstract)
     flat = nnx.to_flat_state(state)
 

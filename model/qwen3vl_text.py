@@ -20,7 +20,7 @@ import numpy as np
 from flax import nnx
 
 from .layers import Linear
-from .loading import Checkpoint, CheckpointError, KeyMap, config_from_dict, load_state, open_checkpoint, read_json
+from .loading import Checkpoint, CheckpointError, KeyMap, known_config, load_state, open_checkpoint, read_json
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,8 +48,7 @@ class Qwen3VLTextConfig:
             text["rope_theta"] = rope["rope_theta"]
         if rope.get("rope_type", "default") not in ("default", None):
             raise CheckpointError(f"{path}: rope_type {rope['rope_type']!r} is not implemented (only 'default')")
-        known = {f.name for f in dataclasses.fields(cls)}
-        return config_from_dict(cls, {k: v for k, v in text.items() if k in known}, str(path))
+        return known_config(cls, text, str(path))
 
 
 class RMSNorm(nnx.Module):

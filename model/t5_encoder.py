@@ -14,7 +14,7 @@ import numpy as np
 from flax import nnx
 
 from .layers import Linear
-from .loading import Checkpoint, CheckpointError, KeyMap, config_from_dict, load_state, open_checkpoint, read_json
+from .loading import Checkpoint, CheckpointError, KeyMap, known_config, load_state, open_checkpoint, read_json
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,9 +38,7 @@ class T5Config:
 
     @classmethod
     def from_json(cls, path: str | Path) -> "T5Config":
-        data = read_json(Path(path))
-        known = {f.name for f in dataclasses.fields(cls)}
-        return config_from_dict(cls, {k: v for k, v in data.items() if k in known}, str(path))
+        return known_config(cls, read_json(Path(path)), str(path))
 
 
 class LayerNorm(nnx.Module):
