@@ -322,8 +322,7 @@ def _runs_when_loaded(payload: bytes, in_tree, out_tree, device, dynamic: Sequen
     CPU only, where the programs are small."""
     from jax.experimental.serialize_executable import deserialize_and_load
 
-    dynamic = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype, device=x.sharding)
-                           if isinstance(x, jax.ShapeDtypeStruct) else x, dynamic)
+    dynamic = jax.tree.map(lambda x: _zeros(x, ()) if isinstance(x, jax.ShapeDtypeStruct) else x, dynamic)
     try:
         program = deserialize_and_load(payload, in_tree, out_tree, execution_devices=[device])
         jax.block_until_ready(program(*dynamic))
