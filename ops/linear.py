@@ -173,7 +173,7 @@ _DIFFERENTIATED = contextvars.ContextVar("differentiated_products", default=Fals
 
 @contextlib.contextmanager
 def differentiated_products():
-    """While active (a training loss being traced), the layers' inputs are never quantized by a fused producer
+    """While active (`training.train.flow_matching_loss`), the layers' inputs are never quantized by a fused producer
     (`fp8_input_backend` is None): each product quantizes its own input, through which `kernel_matmul`'s gradient
     passes straight."""
     token = _DIFFERENTIATED.set(True)

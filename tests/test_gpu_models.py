@@ -95,7 +95,6 @@ def krea2_lora_gradients(base: str, dtype: str) -> dict:
     the tiny Krea 2 fixture with its block matrices quantized to `base` as training freezes them
     (`training.lora.quantize_base`), in `dtype`; the adapters' gradients concatenated."""
     from mxdit.model.lora import LoraConfig, adapters
-    from mxdit.ops.linear import differentiated_products
     from mxdit.quant.model import krea2_rules
     from mxdit.training.lora import add_lora, quantize_base
     from mxdit.training.train import flow_matching_loss
@@ -111,11 +110,10 @@ def krea2_lora_gradients(base: str, dtype: str) -> dict:
     noise = jax.random.normal(jax.random.key(7), latents.shape)
 
     def loss(lora):
-        with differentiated_products():
-            return flow_matching_loss(nnx.merge(graphdef, lora, frozen), latents,
-                                      jnp.asarray(reference["encoder_hidden_states"], getattr(jnp, dtype)),
-                                      jnp.asarray(reference["encoder_attention_mask"]),
-                                      jnp.asarray(reference["position_ids"]), noise, jnp.array([0.3, 0.8]))
+        return flow_matching_loss(nnx.merge(graphdef, lora, frozen), latents,
+                                  jnp.asarray(reference["encoder_hidden_states"], getattr(jnp, dtype)),
+                                  jnp.asarray(reference["encoder_attention_mask"]),
+                                  jnp.asarray(reference["position_ids"]), noise, jnp.array([0.3, 0.8]))
 
     grads = jax.jit(jax.grad(loss))(lora)
     return {"grads": np.concatenate([np.asarray(g, np.float32).ravel() for g in jax.tree.leaves(grads)])}

@@ -169,12 +169,13 @@ def flow_matching_loss(model, latents, embeds, mask, position_ids, noise, sigmas
 
     s = sigmas[:, None, None]
     noisy = (1.0 - s) * latents + s * noise
-    if isinstance(model, FluxTransformer):
-        text_len = embeds.shape[1]
-        g = jnp.full(sigmas.shape, guidance, jnp.float32) if model.config.guidance_embeds else None
-        velocity = model(noisy, embeds, pooled, sigmas, position_ids[text_len:], position_ids[:text_len], g)
-    else:
-        velocity = model(noisy, embeds, sigmas, position_ids, mask)
+    with differentiated_products():  # a quantized base's products pass the gradient to their inputs
+        if isinstance(model, FluxTransformer):
+            text_len = embeds.shape[1]
+            g = jnp.full(sigmas.shape, guidance, jnp.float32) if model.config.guidance_embeds else None
+            velocity = model(noisy, embeds, pooled, sigmas, position_ids[text_len:], position_ids[:text_len], g)
+        else:
+            velocity = model(noisy, embeds, sigmas, position_ids, mask)
     velocity = velocity.astype(jnp.float32)
     return jnp.mean(jnp.mean(jnp.square(velocity - (noise - latents)), axis=(1, 2)))
 
@@ -185,9 +186,8 @@ def _loss(lora: nnx.State, frozen: nnx.State, graphdef, examples: dict, position
     if dropout_key is not None:  # on this traced copy only: the model the caller holds never drops out
         for i, (_, adapter) in enumerate(adapters(model)):
             adapter.dropout_key = nnx.data(jax.random.fold_in(dropout_key, i))
-    with differentiated_products():  # a quantized base's products pass the gradient to their inputs
-        return flow_matching_loss(model, examples["latents"], examples["embeds"], examples["mask"], position_ids,
-                                  noise, sigmas, examples.get("pooled"), guidance)
+    return flow_matching_loss(model, examples["latents"], examples["embeds"], examples["mask"], position_ids, noise,
+                              sigmas, examples.get("pooled"), guidance)
 
 
 def accumulated_gradients(graphdef, config: TrainConfig, frozen: nnx.State, lora: nnx.State,
