@@ -47,12 +47,15 @@ class QualityRow:
 CLIP_MAX_DROP = 0.5  # a format may lose this much mean CLIP score against the reference (AMD Quark's MXFP4 bound)
 
 
-def clip_failure(row: QualityRow, reference: QualityRow) -> str | None:
-    """The CLIP gate's failure line for `row` against the reference row, or None (passed, or no CLIP scores)."""
-    if row.clip_scores is None or reference.clip_scores is None:
-        return None
-    drop = reference.clip_score - row.clip_score
-    return f"CLIP {-drop:+.2f} vs reference (allowed -{CLIP_MAX_DROP})" if drop > CLIP_MAX_DROP else None
+def row_failures(row: QualityRow, reference: QualityRow) -> list[str]:
+    """Why `row` fails its gate: the tensor and image gate's failures (`quant.gates`), and the CLIP gate's against
+    the reference row where both have CLIP scores. Empty when it passes."""
+    failures = list(row.report.failures)
+    if row.clip_scores is not None and reference.clip_scores is not None:
+        drop = reference.clip_score - row.clip_score
+        if drop > CLIP_MAX_DROP:
+            failures.append(f"CLIP {-drop:+.2f} vs reference (allowed -{CLIP_MAX_DROP})")
+    return failures
 
 
 def read_prompts(source: str) -> list[str]:
@@ -207,7 +210,7 @@ def format_table(rows: Sequence[QualityRow]) -> str:
                          f"{row.weight_bytes / 1e6:12.2f}{clip(row)}  -")
             continue
         r = row.report
-        failures = list(r.failures) + [f for f in [clip_failure(row, rows[0])] if f]
+        failures = row_failures(row, rows[0])
         gate = "FAIL: " + "; ".join(failures) if failures else "pass"
         lines.append(f"{row.fmt:<{width}}{r.ssim:8.4f}{100 * r.ssim:9.1f}%{r.psnr:9.2f}{r.cosine:10.6f}"
                      f"{r.relative_l2:11.4f}{row.weight_bytes / 1e6:12.2f}{clip(row)}  {gate}")
@@ -256,9 +259,7 @@ def table_json(rows: Sequence[QualityRow]) -> list[dict]:
         if row.report is not None:
             entry.update({k: (str(v) if isinstance(v, float) and not np.isfinite(v) else v)  # PSNR of equal images
                           for k, v in dataclasses.asdict(row.report).items() if k != "fmt"})
-            failure = clip_failure(row, rows[0])
-            entry["passed"] = row.report.passed and failure is None
-            if failure:
-                entry["failures"] = [*entry["failures"], failure]
+            entry["failures"] = row_failures(row, rows[0])
+            entry["passed"] = not entry["failures"]
         out.append(entry)
     return out
