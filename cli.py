@@ -106,6 +106,16 @@ def check_model_arguments(parser: argparse.ArgumentParser, args: argparse.Namesp
     args.dtype = args.dtype or ("fp32" if args.demo else "bf16")
 
 
+def run_description(args: argparse.Namespace, ignore: tuple[str, ...] = (), **extra) -> str:
+    """The settings of a command line that choose its programs, as `ProgramStore.note_run` and `stored_run` key a
+    run: every parsed flag but those in `ignore` and the compile cache's own, the model folder resolved, and
+    `extra`. A later run with the same ones finds its programs stored."""
+    skip = {"compile_cache", "compile_ahead", "model", *ignore}
+    settings = {k: str(v) for k, v in vars(args).items() if k not in skip}
+    settings.update(model=str(args.model.resolve()) if args.model else "demo", **extra)
+    return repr(sorted(settings.items()))
+
+
 def inference_options(args: argparse.Namespace, mesh=None, swap_loras: bool = False):
     """The parsed model flags as `build_pipeline`'s `InferenceOptions`; `mesh`: the --mesh's `jax.sharding.Mesh`;
     `swap_loras`: the --lora files' weights can change per call (not with --fuse-lora)."""

@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from mxdit.cli import (OneLineErrorParser, add_model_arguments, check_model_arguments, compile_caches, inference_options,
-                       mesh_from_arguments)
+                       mesh_from_arguments, run_description)
 from mxdit.model.requests import MAX_SIDE, MIN_SIDE, MULTIPLE
 
 
@@ -190,9 +190,10 @@ def main(argv=None) -> int:
     from mxdit.cli import CompileLog
 
     with CompileLog() as compiles, compile_caches(args.compile_cache) as store:
-        code = generate(args, started)
+        run = generation_run(args)
+        code = generate(args, started, run)
         if code == 0 and store is not None:
-            store.note_run(run_description(args))
+            store.note_run(run)
     if code in (0, 1):  # 1: some --prompts lines failed, the others ran
         if store is not None:
             print(store.summary())
@@ -200,8 +201,9 @@ def main(argv=None) -> int:
     return code
 
 
-def generate(args: argparse.Namespace, started: float) -> int:
-    """The run after parsing: load, generate, write the PNGs, print the stage table (seconds since `started`)."""
+def generate(args: argparse.Namespace, started: float, run: str) -> int:
+    """The run after parsing: load, generate, write the PNGs, print the stage table (seconds since `started`);
+    `run`: its `generation_run`, under which the compile cache records its programs."""
     import jax
     from tqdm import tqdm
 
@@ -234,7 +236,7 @@ def generate(args: argparse.Namespace, started: float) -> int:
             print("mxdit demo: tiny Krea 2-shaped model with RANDOM weights -- the image is noise, not a picture.")
         model = None if args.demo else args.model
         if args.compile_ahead:
-            pipe, loading = build_pipeline_ahead(model, options, dry_run, run=run_description(args))
+            pipe, loading = build_pipeline_ahead(model, options, dry_run, run=run)
         else:
             pipe, loading = build_pipeline(model, options), {}
     except (CheckpointError, ValueError) as e:
@@ -275,25 +277,21 @@ def generate(args: argparse.Namespace, started: float) -> int:
         print(f"wrote {path} ({image.width}x{image.height})")
     done = time.perf_counter()
     pipeline_stages = {k: v for k, v in out.timings.items() if k != "total"}
-    # what the pipeline's stages leave out: noise, schedule, the progress bar
-    other = generated - loaded - sum(pipeline_stages.values())
     stages.update(pipeline_stages)
-    stages["other"] = other
+    # what the pipeline's stages leave out: noise, schedule, the progress bar
+    stages["other"] = generated - loaded - sum(pipeline_stages.values())
     stages["write"] = done - generated
     print_stages({**stages, "total": done - started})
     return 0
 
 
-def run_description(args: argparse.Namespace) -> str:
-    """The settings that choose this run's programs, not the prompts' words, seeds or file names: a later run with the
-    same ones finds its programs stored (`ProgramStore.stored_run`) and need not compile ahead."""
-    skip = {"prompt", "prompts", "negative_prompt", "seed", "output", "outputs", "overwrite", "jobs", "bad_lines",
-            "compile_cache", "compile_ahead"}
-    settings = {k: str(v) for k, v in vars(args).items() if k not in skip}
-    settings.update(model=str(args.model.resolve()) if args.model else "demo", images=len(args.prompt or ()),
-                    negative_prompt=args.negative_prompt is not None,
-                    batches=sorted({repr(job.request.batch_key()) for job in args.jobs}))
-    return repr(sorted(settings.items()))
+def generation_run(args: argparse.Namespace) -> str:
+    """`run_description` of generate.py: not the prompts' words, seeds or file names, but how many images, whether
+    there is a negative prompt, and the --prompts lines' batch shapes."""
+    return run_description(args, ignore=("prompt", "prompts", "negative_prompt", "seed", "output", "outputs",
+                                         "overwrite", "jobs", "bad_lines"),
+                           images=len(args.prompt or ()), negative_prompt=args.negative_prompt is not None,
+                           batches=sorted({repr(job.request.batch_key()) for job in args.jobs}))
 
 
 def image_call(args: argparse.Namespace, pipe):

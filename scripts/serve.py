@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 
 from mxdit.cli import (OneLineErrorParser, add_model_arguments, check_model_arguments, compile_caches, inference_options,
-                       mesh_from_arguments)
+                       mesh_from_arguments, run_description)
 
 
 def build_parser() -> OneLineErrorParser:
@@ -115,10 +115,8 @@ def main(argv=None) -> int:
                                         max_sequence_length=args.max_sequence_length)
             yield batch, timings
 
-    # The settings that choose the warm-up's programs: a later start with the same ones finds them stored.
-    served = {"host", "port", "output_dir", "compile_cache", "compile_ahead", "keep_images", "max_queue", "batch_wait_ms"}
-    run = repr(sorted([(k, str(v)) for k, v in vars(args).items() if k not in served]
-                      + [("model", str(args.model.resolve()) if args.model else "demo")]))
+    # the warm-up's programs: not where the server listens or keeps its images, nor its queue
+    run = run_description(args, ignore=("host", "port", "output_dir", "keep_images", "max_queue", "batch_wait_ms"))
     with compile_caches(args.compile_cache) as store:
         try:
             options = inference_options(args, mesh_from_arguments(args), swap_loras=True)
