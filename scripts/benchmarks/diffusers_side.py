@@ -51,23 +51,27 @@ def _krea2_transformer(cfg, device: str = "cuda"):
     return model
 
 
+def _krea2_step_inputs(cfg, args, device: str = "cuda") -> dict:
+    """diffusers' Krea2Transformer2DModel's keyword arguments for `krea2_inputs` of --height, --width and --text-len."""
+    import torch
+
+    hidden, text, timestep, position_ids, mask = krea2_inputs(cfg, args.height, args.width, args.text_len,
+                                                              args.valid_text)
+    return dict(hidden_states=torch.from_numpy(hidden).to(device).bfloat16(),
+                encoder_hidden_states=torch.from_numpy(text).to(device).bfloat16(),
+                timestep=torch.from_numpy(timestep).to(device).bfloat16(),
+                position_ids=torch.from_numpy(position_ids).to(device),
+                encoder_attention_mask=torch.from_numpy(mask).to(device), return_dict=False)
+
+
 def diffusers_krea2_step(args) -> list[dict]:
     """diffusers' Krea 2 step eager (and under torch.compile with --torch-compile)."""
     import torch
 
     cfg = krea2_config(args)
     model = _krea2_transformer(cfg)
-    hidden, text, timestep, position_ids, mask = krea2_inputs(cfg, args.height, args.width, args.text_len,
-                                                              args.valid_text)
-    inputs = dict(
-        hidden_states=torch.from_numpy(hidden).cuda().bfloat16(),
-        encoder_hidden_states=torch.from_numpy(text).cuda().bfloat16(),
-        timestep=torch.from_numpy(timestep).cuda().bfloat16(),
-        position_ids=torch.from_numpy(position_ids).cuda(),
-        encoder_attention_mask=torch.from_numpy(mask).cuda(),
-        return_dict=False,
-    )
-    flops = krea2_flops(cfg, hidden.shape[1], text.shape[1])
+    inputs = _krea2_step_inputs(cfg, args)
+    flops = krea2_flops(cfg, inputs["hidden_states"].shape[1], inputs["encoder_hidden_states"].shape[1])
     rows = [torch_row("diffusers eager bf16, masked", lambda: model(**inputs), args, flops)]
     if args.torch_compile:
         compiled = torch.compile(model)
@@ -75,28 +79,36 @@ def diffusers_krea2_step(args) -> list[dict]:
     return rows
 
 
-def diffusers_flux_step(args) -> list[dict]:
-    """diffusers' FLUX.1-dev step, eager."""
+def _flux_transformer_and_inputs(cfg, args, device: str = "cuda"):
+    """diffusers' FluxTransformer2DModel of random bf16 weights on `device` (in eval mode), and its keyword arguments
+    for `flux_inputs` of --height, --width and --text-len, timestep 0.5 and guidance 3.5."""
     import torch
     from diffusers import FluxTransformer2DModel
 
-    from mxdit.model.flux import FluxConfig
-
-    cfg = FluxConfig()
+    torch.manual_seed(0)
     torch.set_default_dtype(torch.bfloat16)
-    with torch.device("cuda"):
+    with torch.device(device):
         model = FluxTransformer2DModel(**dataclasses.asdict(cfg)).eval()
     torch.set_default_dtype(torch.float32)
     hidden, text, pooled, img_ids, txt_ids = flux_inputs(cfg, args.height, args.width, args.text_len)
 
     def to(a, dtype=torch.bfloat16):
-        return torch.from_numpy(a).cuda().to(dtype)
+        return torch.from_numpy(a).to(device).to(dtype)
 
     inputs = dict(hidden_states=to(hidden), encoder_hidden_states=to(text), pooled_projections=to(pooled),
-                  timestep=torch.full((1,), 0.5, device="cuda", dtype=torch.bfloat16),
+                  timestep=torch.full((1,), 0.5, device=device, dtype=torch.bfloat16),
                   img_ids=to(img_ids, torch.float32), txt_ids=to(txt_ids, torch.float32),
-                  guidance=torch.full((1,), 3.5, device="cuda"), return_dict=False)
-    flops = flux_flops(cfg, hidden.shape[1], text.shape[1])
+                  guidance=torch.full((1,), 3.5, device=device), return_dict=False)
+    return model, inputs
+
+
+def diffusers_flux_step(args) -> list[dict]:
+    """diffusers' FLUX.1-dev step, eager."""
+    from mxdit.model.flux import FluxConfig
+
+    cfg = FluxConfig()
+    model, inputs = _flux_transformer_and_inputs(cfg, args)
+    flops = flux_flops(cfg, inputs["hidden_states"].shape[1], inputs["encoder_hidden_states"].shape[1])
     return [torch_row("diffusers FLUX.1-dev eager bf16", lambda: model(**inputs), args, flops, warmup=2)]
 
 
@@ -318,7 +330,7 @@ def diffusers_lora_step(args) -> list[dict]:
     if args.memory_cap_gb and device == "cuda":
         torch.cuda.set_per_process_memory_fraction(
             args.memory_cap_gb * 1e9 / torch.cuda.get_device_properties(0).total_memory)
-    model, inputs, latents, targets = (_flux_lora_model if args.family == "flux" else _krea2_lora_model)(args, device)
+    model, inputs, targets = (_flux_lora_model if args.family == "flux" else _krea2_lora_model)(args, device)
     model.requires_grad_(False)
     model.add_adapter(LoraConfig(r=args.rank, lora_alpha=args.rank, init_lora_weights="gaussian",
                                  target_modules="|".join(f"(?:{p})" for p in targets)))
@@ -329,10 +341,13 @@ def diffusers_lora_step(args) -> list[dict]:
     for p in params:  # diffusers' cast_training_params: float32 trainable weights under bf16 mixed precision
         p.data = p.data.float()
     optimizer = torch.optim.AdamW(params, lr=1e-4)
+    latents = inputs["hidden_states"].float()  # the step's latents as the clean ones, noised at sigma 0.5
     noise = torch.randn_like(latents)
     sigma = 0.5
     inputs["hidden_states"] = ((1 - sigma) * latents + sigma * noise).bfloat16()
+    inputs["timestep"] = torch.full((1,), sigma, device=device, dtype=torch.bfloat16)
     target = (noise - latents).float()
+    losses = []
 
     def step():
         with torch.autocast(device, dtype=torch.bfloat16):
@@ -342,7 +357,7 @@ def diffusers_lora_step(args) -> list[dict]:
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        return loss
+        losses[:] = [loss]
 
     title = {"krea2": "Krea 2", "flux": "FLUX.1-dev"}[args.family]
     cap = f", capped at {args.memory_cap_gb:g} GB" if args.memory_cap_gb else ""
@@ -350,29 +365,8 @@ def diffusers_lora_step(args) -> list[dict]:
                    f"{len(params) // 2} adapters, remat {args.remat}{cap}",
            "lora_params": sum(p.numel() for p in params)}
     try:
-        t0 = time.perf_counter()
-        for _ in range(2):  # warm-up: allocator, kernels' first calls
-            loss = step()
-        if device == "cuda":
-            torch.cuda.synchronize()
-        row["compile_s"] = time.perf_counter() - t0
-        times = []
-        for _ in range(args.repeats):
-            if device == "cuda":
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                for _ in range(args.iters):
-                    loss = step()
-                end.record()
-                torch.cuda.synchronize()
-                times.append(start.elapsed_time(end) / 1e3 / args.iters)
-            else:
-                t0 = time.perf_counter()
-                for _ in range(args.iters):
-                    loss = step()
-                times.append((time.perf_counter() - t0) / args.iters)
-        row["s_per_step"] = statistics.median(times)
-        row["loss"] = float(loss.detach())
+        row.update(torch_timed(step, args.iters, args.repeats, warmup=2, training=True))
+        row["loss"] = float(losses[0].detach())
     except Exception as e:  # an out-of-memory variant is a result too
         row["error"] = error_text(e)
     row["peak_gb"] = torch.cuda.max_memory_allocated() / 1e9 if device == "cuda" else 0.0
@@ -380,30 +374,19 @@ def diffusers_lora_step(args) -> list[dict]:
 
 
 def _krea2_lora_model(args, device: str):
-    """diffusers' Krea 2 transformer (full size, --num-layers blocks, or --tiny) on `device`, its step's inputs but
-    the noisy latents, the clean latents and our LoRA targets."""
-    import torch
-
+    """diffusers' Krea 2 transformer (full size, --num-layers blocks, or --tiny) on `device`, its step's inputs and
+    our LoRA targets."""
     from mxdit.model.krea2 import Krea2Config
     from mxdit.training.lora import KREA2_ATTENTION_AND_MLP
 
     from .inputs import TINY_KREA2
 
     cfg = Krea2Config(**TINY_KREA2) if args.tiny else krea2_config(args)
-    model = _krea2_transformer(cfg, device)
-    hidden, text, _, position_ids, mask = krea2_inputs(cfg, args.height, args.width, args.text_len, args.valid_text)
-    inputs = dict(encoder_hidden_states=torch.from_numpy(text).to(device).bfloat16(),
-                  timestep=torch.full((1,), 0.5, device=device, dtype=torch.bfloat16),
-                  position_ids=torch.from_numpy(position_ids).to(device),
-                  encoder_attention_mask=torch.from_numpy(mask).to(device), return_dict=False)
-    return model, inputs, torch.from_numpy(hidden).to(device), KREA2_ATTENTION_AND_MLP
+    return _krea2_transformer(cfg, device), _krea2_step_inputs(cfg, args, device), KREA2_ATTENTION_AND_MLP
 
 
 def _flux_lora_model(args, device: str):
     """`_krea2_lora_model` for FLUX.1-dev."""
-    import torch
-    from diffusers import FluxTransformer2DModel
-
     from mxdit.model.flux import FluxConfig
     from mxdit.training.lora import FLUX_ATTENTION_AND_MLP
 
@@ -411,18 +394,4 @@ def _flux_lora_model(args, device: str):
 
     layers = {} if args.num_layers is None else dict(num_layers=args.num_layers, num_single_layers=2 * args.num_layers)
     cfg = FluxConfig(**TINY_FLUX) if args.tiny else FluxConfig(**layers)
-    torch.manual_seed(0)
-    torch.set_default_dtype(torch.bfloat16)
-    with torch.device(device):
-        model = FluxTransformer2DModel(**dataclasses.asdict(cfg))
-    torch.set_default_dtype(torch.float32)
-    hidden, text, pooled, img_ids, txt_ids = flux_inputs(cfg, args.height, args.width, args.text_len)
-
-    def to(a, dtype=torch.bfloat16):
-        return torch.from_numpy(a).to(device).to(dtype)
-
-    inputs = dict(encoder_hidden_states=to(text), pooled_projections=to(pooled),
-                  timestep=torch.full((1,), 0.5, device=device, dtype=torch.bfloat16),
-                  img_ids=to(img_ids, torch.float32), txt_ids=to(txt_ids, torch.float32),
-                  guidance=torch.full((1,), 3.5, device=device), return_dict=False)
-    return model, inputs, torch.from_numpy(hidden).to(device), FLUX_ATTENTION_AND_MLP
+    return (*_flux_transformer_and_inputs(cfg, args, device), FLUX_ATTENTION_AND_MLP)

@@ -179,14 +179,20 @@ def energy_per_call(fn, *args, seconds: float = 2.5, kernels_per_call: int = 1) 
     return row
 
 
-def torch_timed(fn, iters: int, repeats: int, settle_s: float = 0.0, warmup: int = 3) -> dict:
-    """`timed` of `fn()` (a torch computation on the GPU) under inference mode, the timed runs by CUDA events."""
+def torch_timed(fn, iters: int, repeats: int, settle_s: float = 0.0, warmup: int = 3, training: bool = False) -> dict:
+    """`timed` of `fn()` (a torch computation) under inference mode (`training`: with autograd, as a training step
+    runs), the timed runs by CUDA events on a GPU (by the host's clock elsewhere: a smoke run)."""
+    import contextlib
+
     import torch
+
+    cuda = torch.cuda.is_available()
 
     def run(n):
         for _ in range(n):
             fn()
-        torch.cuda.synchronize()
+        if cuda:
+            torch.cuda.synchronize()
 
     def seconds(n):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -197,8 +203,8 @@ def torch_timed(fn, iters: int, repeats: int, settle_s: float = 0.0, warmup: int
         torch.cuda.synchronize()
         return start.elapsed_time(end) / 1e3
 
-    with torch.inference_mode():
-        return timed(run, iters, repeats, settle_s, warmup=warmup, seconds=seconds)
+    with contextlib.nullcontext() if training else torch.inference_mode():
+        return timed(run, iters, repeats, settle_s, warmup=warmup, seconds=seconds if cuda else None)
 
 
 def jax_peak_gb(all_devices: bool = False) -> float:
