@@ -90,15 +90,21 @@ _PRODUCT_PTX = "mul.rn.f32 $0, $1, $2;"
 _ROUNDED_PRODUCT_PTX = "{ .reg .f32 q; mul.rn.f32 q, $1, $2; cvt.rni.f32.f32 $0, q; }"  # ties to even, as jnp.round
 
 
-def lowering_for_amd() -> bool:
-    """Whether the kernel being traced is for an AMD GPU: the local one, or the gfx architecture of the abstract
-    device an ahead-of-time build names (`pallas_kernels.amd`). Inline PTX does not assemble there."""
+def _lowering_device_kind() -> str:
+    """The device kind the kernel being traced is lowered for: the local GPU's, or the gfx architecture of the
+    abstract device an ahead-of-time build names (`pallas_kernels.amd`); "" with no GPU to ask (the CPU's interpret
+    mode)."""
     from jax._src.pallas.triton import gpu_info
 
     try:
-        return gpu_info.get_device_kind().startswith("gfx")
-    except Exception:  # no GPU to ask (the CPU's interpret mode)
-        return False
+        return gpu_info.get_device_kind()
+    except Exception:
+        return ""
+
+
+def lowering_for_amd() -> bool:
+    """Whether the kernel being traced is for an AMD GPU. Inline PTX does not assemble there."""
+    return _lowering_device_kind().startswith("gfx")
 
 
 FNUZ_FP8_ARCHS = ("gfx942",)  # AMD GPUs whose FP8 MFMA takes only the FNUZ encodings
@@ -107,12 +113,7 @@ FNUZ_FP8_ARCHS = ("gfx942",)  # AMD GPUs whose FP8 MFMA takes only the FNUZ enco
 def fp8_mfma_takes_fnuz() -> bool:
     """Whether the kernel being traced is for an AMD GPU whose FP8 MFMA multiplies only E4M3FNUZ (gfx942): Triton
     would widen OCP E4M3FN operands to f16 there and run the f16 MFMA at half the rate."""
-    from jax._src.pallas.triton import gpu_info
-
-    try:
-        return gpu_info.get_device_kind().split(":")[0] in FNUZ_FP8_ARCHS
-    except Exception:  # no GPU to ask (the CPU's interpret mode)
-        return False
+    return _lowering_device_kind().split(":")[0] in FNUZ_FP8_ARCHS
 
 
 def as_fnuz_halves(x: jax.Array) -> jax.Array:
