@@ -10,7 +10,7 @@ import numpy as np
 
 from .inputs import TINY_FLUX, TINY_KREA2, flux_inputs, krea2_config, krea2_inputs
 from .rows import emit, error_text, flags, subprocess_rows, write_json
-from .timing import jax_peak_gb
+from .timing import jax_peak_gb, memory_fraction
 
 
 def lora_step(args) -> None:
@@ -45,15 +45,6 @@ def lora_step(args) -> None:
             print(f"{r['name']:<80} {r['s_per_step']:8.4f} {r['peak_gb']:8.2f} {r.get('temp_gb', 0):8.2f} "
                   f"{r.get('program_gb', 0):10.2f} {r['compile_s']:9.1f}")
     write_json(args, rows)
-
-
-def memory_fraction(cap_gb: float) -> str:
-    """XLA_PYTHON_CLIENT_MEM_FRACTION for a device memory pool of `cap_gb` GB on this machine's first GPU."""
-    import subprocess
-
-    total_mib = float(subprocess.run(["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
-                                     capture_output=True, text=True, check=True).stdout.split()[0])
-    return f"{cap_gb * 1e9 / (total_mib * 2**20):.4f}"
 
 
 def _model_and_batch(args):

@@ -3,23 +3,20 @@ ahead of their turn, against every block resident."""
 
 from __future__ import annotations
 
-import subprocess
 import time
 
 from .inputs import krea2_config, krea2_flops, krea2_inputs
 from .rows import emit, error_text, flags, subprocess_rows, write_json
-from .timing import median_seconds, timed
+from .timing import median_seconds, memory_fraction, timed
 
 
 def krea2_offload(args) -> None:
     """One process per --resident, its device memory capped to --device-memory-gb (the BFC allocator's pool), and
     one uncapped with every block resident: the exposed transfer wait is a run's time minus that one's."""
-    total_gib = float(subprocess.run(["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
-                                     capture_output=True, text=True, check=True).stdout.split()[0]) / 1024
     forwarded = flags(args, "height", "width", "text_len", "valid_text", "iters", "repeats", "prefetch", "precision",
                       "settle_s", "num_layers")
     rows = subprocess_rows(args, "krea2-offload-jax", forwarded + ["--resident", "all"])
-    fraction = f"{args.device_memory_gb * 1e9 / 2**30 / total_gib:.3f}"
+    fraction = memory_fraction(args.device_memory_gb)
     for resident in args.resident:
         rows += subprocess_rows(args, "krea2-offload-jax", forwarded + ["--resident", resident],
                                 env={"XLA_PYTHON_CLIENT_MEM_FRACTION": fraction})

@@ -207,6 +207,15 @@ def torch_timed(fn, iters: int, repeats: int, settle_s: float = 0.0, warmup: int
         return timed(run, iters, repeats, settle_s, warmup=warmup, seconds=seconds if cuda else None)
 
 
+def memory_fraction(cap_gb: float) -> str:
+    """XLA_PYTHON_CLIENT_MEM_FRACTION for a device memory pool of `cap_gb` GB on this machine's first GPU."""
+    import subprocess
+
+    total_mib = float(subprocess.run(["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
+                                     capture_output=True, text=True, check=True).stdout.split()[0])
+    return f"{cap_gb * 1e9 / (total_mib * 2**20):.3f}"
+
+
 def jax_peak_gb(all_devices: bool = False) -> float:
     """The peak device memory JAX's allocator had in use, GB: the first device's, or the fullest one's (0 where the
     device reports none)."""
