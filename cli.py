@@ -75,18 +75,7 @@ def check_model_arguments(parser: argparse.ArgumentParser, args: argparse.Namesp
 
     if args.model is not None and not args.model.is_dir():
         parser.error(f"--model {args.model}: no such folder")
-    args.loras = []
-    if args.lora:
-        from mxdit.model.lora_files import parse_lora_arg
-
-        for spec in args.lora:
-            try:
-                path, weight = parse_lora_arg(spec)
-            except ValueError as e:
-                parser.error(f"--lora {spec}: {e}")
-            if not path.is_file():
-                parser.error(f"--lora {path}: no such file")
-            args.loras.append((path, weight))
+    args.loras = lora_flags(parser, args.lora)
     check_device_arguments(parser, args)
     if args.quantized is not None:
         if args.model is None:
@@ -104,6 +93,22 @@ def check_model_arguments(parser: argparse.ArgumentParser, args: argparse.Namesp
     if args.compile_ahead is None:
         args.compile_ahead = can_compile_ahead
     args.dtype = args.dtype or ("fp32" if args.demo else "bf16")
+
+
+def lora_flags(parser: argparse.ArgumentParser, specs: list[str]) -> list[tuple[Path, float]]:
+    """--lora FILE[:WEIGHT] flags as (path, weight) pairs; a bad weight or a missing file exits naming it."""
+    from mxdit.model.lora_files import parse_lora_arg
+
+    loras = []
+    for spec in specs:
+        try:
+            path, weight = parse_lora_arg(spec)
+        except ValueError as e:
+            parser.error(f"--lora {spec}: {e}")
+        if not path.is_file():
+            parser.error(f"--lora {path}: no such file")
+        loras.append((path, weight))
+    return loras
 
 
 def run_description(args: argparse.Namespace, ignore: tuple[str, ...] = (), **extra) -> str:

@@ -23,7 +23,7 @@ from .images import unit_range_to_uint8
 from . import flux as flux_model
 from . import krea2 as krea2_model
 from .loading import iter_params
-from .pipeline_common import image_position_ids
+from .pipeline_common import image_position_ids, initial_noise
 from .pipeline_flux import FluxPipeline
 from .pipeline_krea2 import Krea2Pipeline
 
@@ -38,6 +38,7 @@ class QualityRow:
     report: GateReport | None  # None for the unquantized reference
     images: np.ndarray | None = None  # uint8 (prompts, height, width * seeds, 3): each prompt's seeds side by side
     clip_scores: np.ndarray | None = None  # (prompts, seeds): each image's CLIP score with its prompt
+    step_cosines: np.ndarray | None = None  # (steps,): the DiT output's cosine with the reference's, step by step
 
     @property
     def clip_score(self) -> float | None:
@@ -115,11 +116,15 @@ def _wrap(text: str, width: int) -> list[str]:
 def quality_table(pipe: Krea2Pipeline | FluxPipeline, formats: Sequence[str], prompts: Sequence[str],
                   seeds: Sequence[int], *, height: int, width: int, steps: int | None = None,
                   max_sequence_length: int = 512, guidance: float | None = None, activations: bool = False,
-                  kernels: bool = False, attention: str | None = None, clip=None) -> list[QualityRow]:
+                  kernels: bool = False, attention: str | None = None, clip=None, batch_size: int = 4
+                  ) -> list[QualityRow]:
     """The quality table of a Krea 2 or FLUX.1 pipeline: per format, SSIM and PSNR of the decoded images against
-    the unquantized ones (all prompts x seeds side by side), cosine etc. of the transformer's output on fixed inputs.
-    `guidance`: the pipeline's guidance scale (None: its default; FLUX.1-dev's embedded guidance, Krea 2's CFG).
-    `clip`: (CLIPModel, its tokenizer) from `clip.load_clip`, for each image's CLIP score with its prompt.
+    the unquantized ones (all prompts x seeds side by side), the cosine of the transformer's output with the
+    unquantized one's at each denoising step of those images, and cosine etc. of the transformer's output on fixed
+    inputs. `guidance`: the pipeline's guidance scale (None: its default; FLUX.1-dev's embedded guidance, Krea 2's
+    CFG). `clip`: (CLIPModel, its tokenizer) from `clip.load_clip`, for each image's CLIP score with its prompt.
+    `batch_size`: prompts per pipeline call; each image's noise is its seed's alone, so the images do not depend on it
+    (but for the float rounding of another batch shape).
     Weights only, or with `activations` also the inputs of the quantized layers (rows named `fmt W+A`, the inputs
     in the weights' format), or with `kernels` the inference path itself (rows `fmt GEMM`: `quantize_linear_layers`,
     the GEMM kernels' numerics with activations per token in FP8, or INT8 for INT8 weights, the projections stacked
@@ -129,6 +134,7 @@ def quality_table(pipe: Krea2Pipeline | FluxPipeline, formats: Sequence[str], pr
     family_rules = flux_rules if flux else krea2_rules
     kwargs = dict(height=height, width=width, num_inference_steps=steps, max_sequence_length=max_sequence_length,
                   output_type="np", **({} if guidance is None else {"guidance_scale": guidance}))
+    grid_h, grid_w = height // 16, width // 16
 
     def scores(images: np.ndarray) -> np.ndarray | None:  # `clip`: (CLIPModel, its tokenizer), `model.clip.load_clip`
         if clip is None:
@@ -138,11 +144,26 @@ def quality_table(pipe: Krea2Pipeline | FluxPipeline, formats: Sequence[str], pr
         tiles = [images[p, :, s * width:(s + 1) * width] for p in range(len(prompts)) for s in range(len(seeds))]
         return clip_scores(*clip, tiles, [p for p in prompts for _ in seeds]).reshape(len(prompts), len(seeds))
 
-    def images(p) -> np.ndarray:  # (prompts, height, width * seeds, 3)
-        return np.concatenate([unit_range_to_uint8(p(prompts, seed=s, **kwargs).images * 2 - 1) for s in seeds], axis=2)
+    def generate(p) -> tuple[np.ndarray, np.ndarray]:
+        """The images (prompts, height, width * seeds, 3) uint8, and each denoising step's change of the latents
+        (steps, seeds * prompts, tokens, channels) float32: the (guided) transformer output times the step's sigma
+        difference, which every row shares, so that the changes' cosines are the outputs'."""
+        columns, changes = [], []
+        for seed in seeds:
+            tiles, seed_changes = [], []
+            for start in range(0, len(prompts), batch_size):
+                chunk = list(prompts[start:start + batch_size])
+                noise = initial_noise([seed] * len(chunk), len(chunk), grid_h, grid_w, pipe.transformer.config.in_channels)
+                trail = [np.asarray(noise)]
+                out = p(chunk, seed=[seed] * len(chunk), latents=noise,
+                        callback=lambda i, t, latents: trail.append(np.asarray(latents)), **kwargs)
+                tiles.append(unit_range_to_uint8(out.images * 2 - 1))
+                seed_changes.append(np.diff(np.stack(trail), axis=0))
+            columns.append(np.concatenate(tiles))
+            changes.append(np.concatenate(seed_changes, axis=1))
+        return np.concatenate(columns, axis=2), np.concatenate(changes, axis=1)
 
     def velocity(model) -> np.ndarray:  # one transformer call on fixed inputs, as the gates' tensor check
-        grid_h, grid_w = height // 16, width // 16
         latents = jax.random.normal(jax.random.key(0), (1, grid_h * grid_w, model.config.in_channels))
         if flux:
             embeds, pooled = pipe.encode_prompt(list(prompts[:1]), max_sequence_length=max_sequence_length)
@@ -157,7 +178,7 @@ def quality_table(pipe: Krea2Pipeline | FluxPipeline, formats: Sequence[str], pr
 
     params = dict(iter_params(pipe.transformer))
     shapes = {k: (tuple(v.shape), v.dtype) for k, v in params.items()}
-    reference_images, reference_velocity = images(pipe), velocity(pipe.transformer)
+    (reference_images, reference_changes), reference_velocity = generate(pipe), velocity(pipe.transformer)
     rows = [QualityRow("reference", weight_bytes(shapes, []), None, reference_images, scores(reference_images))]
     for fmt in formats:
         rules = family_rules(fmt)
@@ -175,10 +196,20 @@ def quality_table(pipe: Krea2Pipeline | FluxPipeline, formats: Sequence[str], pr
         for name, model in variants:
             quantized = copy.copy(pipe)  # the same pipeline around the variant's transformer
             quantized.transformer = model
-            candidate = images(quantized)
+            candidate, changes = generate(quantized)
             report = evaluate(fmt, velocity(model), reference_velocity, candidate, reference_images)
-            rows.append(QualityRow(name, weight_bytes(shapes, rules), report, candidate, scores(candidate)))
+            rows.append(QualityRow(name, weight_bytes(shapes, rules), report, candidate, scores(candidate),
+                                   step_cosines(changes, reference_changes)))
     return rows
+
+
+def step_cosines(changes: np.ndarray, reference: np.ndarray) -> np.ndarray:
+    """Per step (the leading axis), the cosine of everything else, in float64: (steps,)."""
+    out = []
+    for a, b in zip(changes, reference):
+        a, b = a.astype(np.float64).ravel(), b.astype(np.float64).ravel()
+        out.append(a @ b / max(np.linalg.norm(a) * np.linalg.norm(b), np.finfo(np.float64).tiny))
+    return np.asarray(out)
 
 
 @jax.jit
@@ -194,8 +225,9 @@ def _transformer(model, latents, embeds, timestep, ids, mask):
 
 
 def format_table(rows: Sequence[QualityRow]) -> str:
-    """format | SSIM vs the unquantized images | relative SSIM | PSNR | DiT output cosine and rel. L2 | weights | gate.
-    The reference is the unquantized model itself, so relative SSIM (quality relative to the reference's) is SSIM / 1."""
+    """format | SSIM vs the unquantized images | relative SSIM | PSNR | DiT output cosine and rel. L2 on fixed inputs |
+    the lowest of its cosines step by step along the images' denoising | weights | CLIP | gate. The reference is the
+    unquantized model itself, so relative SSIM (quality relative to the reference's) is SSIM / 1."""
     width = max([16] + [len(row.fmt) + 2 for row in rows])
     with_clip = rows[0].clip_scores is not None
 
@@ -203,17 +235,17 @@ def format_table(rows: Sequence[QualityRow]) -> str:
         return f"{row.clip_score:8.2f}" if with_clip else ""
 
     lines = [f"{'format':<{width}}{'SSIM':>8}{'rel SSIM':>10}{'PSNR dB':>9}{'DiT cos':>10}{'DiT relL2':>11}"
-             f"{'weights MB':>12}{'CLIP' if with_clip else '':>{8 if with_clip else 0}}  gate"]
+             f"{'step cos':>10}{'weights MB':>12}{'CLIP' if with_clip else '':>{8 if with_clip else 0}}  gate"]
     for row in rows:
         if row.report is None:
-            lines.append(f"{row.fmt:<{width}}{1.0:8.4f}{'100.0%':>10}{'inf':>9}{1.0:10.6f}{0.0:11.4f}"
+            lines.append(f"{row.fmt:<{width}}{1.0:8.4f}{'100.0%':>10}{'inf':>9}{1.0:10.6f}{0.0:11.4f}{1.0:10.6f}"
                          f"{row.weight_bytes / 1e6:12.2f}{clip(row)}  -")
             continue
         r = row.report
         failures = row_failures(row, rows[0])
         gate = "FAIL: " + "; ".join(failures) if failures else "pass"
         lines.append(f"{row.fmt:<{width}}{r.ssim:8.4f}{100 * r.ssim:9.1f}%{r.psnr:9.2f}{r.cosine:10.6f}"
-                     f"{r.relative_l2:11.4f}{row.weight_bytes / 1e6:12.2f}{clip(row)}  {gate}")
+                     f"{r.relative_l2:11.4f}{row.step_cosines.min():10.6f}{row.weight_bytes / 1e6:12.2f}{clip(row)}  {gate}")
     return "\n".join(lines)
 
 
@@ -259,6 +291,7 @@ def table_json(rows: Sequence[QualityRow]) -> list[dict]:
         if row.report is not None:
             entry.update({k: (str(v) if isinstance(v, float) and not np.isfinite(v) else v)  # PSNR of equal images
                           for k, v in dataclasses.asdict(row.report).items() if k != "fmt"})
+            entry["step_cosines"] = [float(c) for c in row.step_cosines]
             entry["failures"] = row_failures(row, rows[0])
             entry["passed"] = not entry["failures"]
         out.append(entry)

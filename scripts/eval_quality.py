@@ -4,10 +4,13 @@
     python scripts/eval_quality.py --model /models/Krea-2-Turbo --prompts coco100 --sheet sheet.png --json table.json
     python scripts/eval_quality.py --model /models/FLUX.1-dev --formats mxfp4_e2m1 --kernels --prompts coco100 \
         --height 768 --width 1024 --steps 20 --guidance 3.5 --clip /models/clip-vit-base-patch16   # AMD Quark's
+    python scripts/eval_quality.py --model /models/Krea-2-Turbo --lora style.safetensors:0.8 --prompts coco100
     python scripts/eval_quality.py --demo        # the built-in random-weight model: exercises the path, no quality claim
 
 Prints, per format: SSIM and PSNR of the decoded images against the unquantized ones, the transformer output's
-cosine and relative L2, the weight bytes, and whether the format passes its gate (quant/gates.py). `--prompts`
+cosine and relative L2 on fixed inputs and its lowest cosine step by step along the images' denoising, the weight
+bytes, and whether the format passes its gate (quant/gates.py). With `--lora`, the LoRAs are fused into the
+unquantized weights first, so that every format quantizes the fused weights (generate.py --fuse-lora). `--prompts`
 takes a text file (a prompt a line) or `coco100`, 100 everyday scenes written for this table; `--sheet` writes a
 contact sheet (a row a prompt, a column a format, each image captioned with its SSIM, PSNR and, with `--clip DIR`,
 its CLIP score), `--json` the table.
@@ -38,7 +41,12 @@ def main(argv=None) -> int:
                              "image's CLIP score with its prompt, gated at a drop of 0.5 from the reference")
     parser.add_argument("--sheet", type=Path, default=None, metavar="PNG", help="write the contact sheet here")
     parser.add_argument("--json", type=Path, default=None, metavar="FILE", help="write the table here as JSON")
+    parser.add_argument("--lora", action="append", default=[], metavar="FILE[:WEIGHT]",
+                        help="a LoRA file (diffusers/PEFT, kohya or ComfyUI layout) fused into the model before "
+                             "each format quantizes it; repeat for several")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0])
+    parser.add_argument("--batch-size", type=int, default=4, help="prompts per pipeline call (each image's noise is its "
+                                                                  "seed's alone)")
     parser.add_argument("--formats", nargs="+", default=formats(), choices=formats())
     parser.add_argument("--size", type=int, default=None, help="image side (default 1024; demo 64)")
     parser.add_argument("--height", type=int, default=None, help="instead of --size's (FLUX.1's protocol: 768)")
@@ -54,6 +62,7 @@ def main(argv=None) -> int:
                         help="with --kernels: also rows with this attention kernel (generate.py --attention)")
     args = parser.parse_args(argv)
 
+    from mxdit.cli import lora_flags
     from mxdit.model.inference import InferenceOptions, build_pipeline
     from mxdit.model.loading import CheckpointError
     from mxdit.model.quality import format_table, quality_sheet, quality_table, read_prompts, table_json
@@ -74,8 +83,12 @@ def main(argv=None) -> int:
         parser.error(str(e))
     if args.clip is not None and not args.clip.is_dir():
         parser.error(f"--clip {args.clip}: no such folder")
-    # The reference as loaded: the table quantizes (and, for the GEMM rows, stacks) copies of it itself.
-    options = InferenceOptions(dtype="float32" if args.demo else "bfloat16", stack=False)
+    if args.batch_size < 1:
+        parser.error(f"--batch-size {args.batch_size}: must be at least 1")
+    loras = lora_flags(parser, args.lora)
+    # The reference as loaded (its LoRAs fused): the table quantizes (and, for the GEMM rows, stacks) copies of it.
+    options = InferenceOptions(dtype="float32" if args.demo else "bfloat16", stack=False, loras=tuple(loras),
+                               fuse_loras=bool(loras))
     try:
         if args.demo:
             print("demo: RANDOM weights -- the figures show the machinery works, not how good a format is")
@@ -92,13 +105,15 @@ def main(argv=None) -> int:
                          steps=args.steps or (2 if args.demo else None),
                          max_sequence_length=args.max_sequence_length or (64 if args.demo else 512),
                          guidance=args.guidance, activations=args.activations, kernels=args.kernels,
-                         attention=args.attention, clip=clip)
+                         attention=args.attention, clip=clip, batch_size=args.batch_size)
     print(format_table(rows))
     if args.sheet is not None:
         from mxdit.model.loading import write_atomically
 
         title = ("demo model, RANDOM weights: the figures show the machinery, not a format's quality" if args.demo
                  else f"{args.model.name}: each format against the unquantized model, seed {args.seeds[0]}")
+        if loras:
+            title += ", LoRAs fused: " + ", ".join(f"{path.name}:{weight:g}" for path, weight in loras)
         sheet = quality_sheet(rows, prompt_list, width, title)
         write_atomically(args.sheet, lambda tmp: sheet.save(tmp, format="PNG"))
         print(f"wrote {args.sheet} ({len(prompt_list)} prompts x {len(rows)} columns)")

@@ -70,6 +70,9 @@ def test_demo_run_writes_the_table_the_json_and_the_sheet(tmp_path, capsys):
     with pytest.raises(SystemExit):
         script.main(["--demo", "--prompts", str(tmp_path / "missing.txt")])
     assert "missing.txt" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        script.main(["--demo", "--lora", f"{tmp_path / 'style.safetensors'}:0.8"])
+    assert f"--lora {tmp_path / 'style.safetensors'}: no such file" in capsys.readouterr().err
 
 
 @pytest.mark.slow  # the tiny FLUX.1 pipeline per row
@@ -89,3 +92,55 @@ def test_the_table_takes_flux_pipelines(tmp_path):
     assert 0.9 < fp4.cosine < fp8.cosine < 1.0 and fp8.nonfinite == fp4_gemm.nonfinite == 0
     assert rows[0].images.shape == (1, 32, 48, 3) and rows[3].weight_bytes < rows[1].weight_bytes < rows[0].weight_bytes
     assert "mxfp4_e2m1 GEMM" in format_table(rows) and jnp.isfinite(fp8_gemm.cosine)
+
+
+@pytest.mark.slow  # the tiny Krea 2 pipeline at three batch sizes
+def test_the_table_steps_through_the_denoising_and_takes_fused_loras():
+    """Per step, the cosine of the transformer's output with the reference's: the first step starts from the same
+    noise, so its cosine is the transformer's own on that input. The images do not depend on the prompts per call
+    (but for the float rounding of another batch shape: a level of 255). A LoRA fused into the reference is in
+    every format's weights, as generate.py --fuse-lora runs it."""
+    import jax.numpy as jnp
+
+    from mxdit.model.inference import InferenceOptions, build_pipeline
+    from mxdit.model.pipeline_common import initial_noise
+    from mxdit.model.quality import format_table, quality_table, table_json
+
+    folder, prompts = FIXTURES / "krea2" / "tiny_pipeline", ["a red fox", "a blue bird", "a green frog"]
+    pipe = build_pipeline(folder, InferenceOptions(dtype="float32", stack=False))
+    settings = dict(height=32, width=32, steps=3, max_sequence_length=16)
+    rows = quality_table(pipe, ["mxfp4_e2m1"], prompts, [0, 5], batch_size=2, **settings)
+    again = quality_table(pipe, ["mxfp4_e2m1"], prompts, [0, 5], batch_size=3, **settings)
+    for row, same in zip(rows, again):
+        assert np.abs(row.images.astype(int) - same.images).max() <= 1
+    cosines = rows[1].step_cosines
+    assert cosines.shape == (3,) and np.all((0.5 < cosines) & (cosines < 1.0))
+    assert table_json(rows)[1]["step_cosines"] == list(cosines) and f"{cosines.min():10.6f}" in format_table(rows)
+
+    # the first step by hand: one transformer call of each on the first prompt's noise
+    quantized = quality_table(pipe, ["mxfp4_e2m1"], prompts[:1], [0], **settings)[1]
+    noise = initial_noise([0], 1, 2, 2, pipe.transformer.config.in_channels)
+    changes = []
+    for transformer in (pipe.transformer, _quantized_transformer(pipe, "mxfp4_e2m1")):
+        p = __import__("copy").copy(pipe)
+        p.transformer = transformer
+        trail = [np.asarray(noise)]
+        p(prompts[:1], latents=noise, output_type="latent", callback=lambda i, t, x: trail.append(np.asarray(x)),
+          **{k: v for k, v in settings.items() if k != "steps"}, num_inference_steps=3)
+        changes.append((trail[1] - trail[0]).ravel().astype(np.float64))
+    a, b = changes
+    np.testing.assert_allclose(quantized.step_cosines[0], a @ b / np.linalg.norm(a) / np.linalg.norm(b), rtol=1e-12)
+
+    fused = build_pipeline(folder, InferenceOptions(dtype="float32", stack=False, fuse_loras=True,
+                                                    loras=((FIXTURES / "krea2" / "lora" / "kohya.safetensors", 1.0),)))
+    with_lora = quality_table(fused, ["mxfp4_e2m1"], prompts[:1], [0], **settings)
+    assert np.abs(with_lora[0].images.astype(float) - rows[0].images[:1, :, :32]).mean() > 1.0  # the LoRA is in
+    assert jnp.isfinite(with_lora[1].step_cosines).all()
+
+
+def _quantized_transformer(pipe, fmt):
+    from mxdit.model.loading import iter_params
+    from mxdit.quant.model import dequantize_model, krea2_rules, quantize_model, with_params
+
+    params = dict(iter_params(pipe.transformer))
+    return with_params(pipe.transformer, dequantize_model(quantize_model(params, krea2_rules(fmt)), pipe.transformer.dtype))
