@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -39,6 +40,7 @@ class QualityRow:
     images: np.ndarray | None = None  # uint8 (prompts, height, width * seeds, 3): each prompt's seeds side by side
     clip_scores: np.ndarray | None = None  # (prompts, seeds): each image's CLIP score with its prompt
     step_cosines: np.ndarray | None = None  # (steps,): the DiT output's cosine with the reference's, step by step
+    seconds: float = 0.0  # wall time since the row before: quantizing, its images, their figures and CLIP scores
 
     @property
     def clip_score(self) -> float | None:
@@ -134,7 +136,7 @@ def quality_table(pipe: Krea2Pipeline | FluxPipeline, formats: Sequence[str], pr
     family_rules = flux_rules if flux else krea2_rules
     kwargs = dict(height=height, width=width, num_inference_steps=steps, max_sequence_length=max_sequence_length,
                   output_type="np", **({} if guidance is None else {"guidance_scale": guidance}))
-    grid_h, grid_w = height // 16, width // 16
+    grid_h, grid_w, channels = height // 16, width // 16, pipe.transformer.config.in_channels
 
     def scores(images: np.ndarray) -> np.ndarray | None:  # `clip`: (CLIPModel, its tokenizer), `model.clip.load_clip`
         if clip is None:
@@ -153,7 +155,7 @@ def quality_table(pipe: Krea2Pipeline | FluxPipeline, formats: Sequence[str], pr
             tiles, seed_changes = [], []
             for start in range(0, len(prompts), batch_size):
                 chunk = list(prompts[start:start + batch_size])
-                noise = initial_noise([seed] * len(chunk), len(chunk), grid_h, grid_w, pipe.transformer.config.in_channels)
+                noise = initial_noise([seed] * len(chunk), len(chunk), grid_h, grid_w, channels)
                 trail = [np.asarray(noise)]
                 out = p(chunk, seed=[seed] * len(chunk), latents=noise,
                         callback=lambda i, t, latents: trail.append(np.asarray(latents)), **kwargs)
@@ -178,9 +180,12 @@ def quality_table(pipe: Krea2Pipeline | FluxPipeline, formats: Sequence[str], pr
 
     params = dict(iter_params(pipe.transformer))
     shapes = {k: (tuple(v.shape), v.dtype) for k, v in params.items()}
+    start = time.perf_counter()
     (reference_images, reference_changes), reference_velocity = generate(pipe), velocity(pipe.transformer)
-    rows = [QualityRow("reference", weight_bytes(shapes, []), None, reference_images, scores(reference_images))]
+    rows = [QualityRow("reference", weight_bytes(shapes, []), None, reference_images, scores(reference_images),
+                       seconds=time.perf_counter() - start)]
     for fmt in formats:
+        start = time.perf_counter()
         rules = family_rules(fmt)
         transformer = with_params(pipe.transformer, dequantize_model(quantize_model(params, rules), pipe.transformer.dtype))
         variants = [(fmt, transformer)] + ([(f"{fmt} W+A", quantize_activations(transformer, rules))] if activations else [])
@@ -199,7 +204,8 @@ def quality_table(pipe: Krea2Pipeline | FluxPipeline, formats: Sequence[str], pr
             candidate, changes = generate(quantized)
             report = evaluate(fmt, velocity(model), reference_velocity, candidate, reference_images)
             rows.append(QualityRow(name, weight_bytes(shapes, rules), report, candidate, scores(candidate),
-                                   step_cosines(changes, reference_changes)))
+                                   step_cosines(changes, reference_changes), time.perf_counter() - start))
+            start = time.perf_counter()
     return rows
 
 
@@ -226,8 +232,8 @@ def _transformer(model, latents, embeds, timestep, ids, mask):
 
 def format_table(rows: Sequence[QualityRow]) -> str:
     """format | SSIM vs the unquantized images | relative SSIM | PSNR | DiT output cosine and rel. L2 on fixed inputs |
-    the lowest of its cosines step by step along the images' denoising | weights | CLIP | gate. The reference is the
-    unquantized model itself, so relative SSIM (quality relative to the reference's) is SSIM / 1."""
+    the lowest of its cosines step by step along the images' denoising | weights | CLIP | the row's seconds | gate.
+    The reference is the unquantized model itself, so relative SSIM (quality relative to the reference's) is SSIM / 1."""
     width = max([16] + [len(row.fmt) + 2 for row in rows])
     with_clip = rows[0].clip_scores is not None
 
@@ -235,17 +241,18 @@ def format_table(rows: Sequence[QualityRow]) -> str:
         return f"{row.clip_score:8.2f}" if with_clip else ""
 
     lines = [f"{'format':<{width}}{'SSIM':>8}{'rel SSIM':>10}{'PSNR dB':>9}{'DiT cos':>10}{'DiT relL2':>11}"
-             f"{'step cos':>10}{'weights MB':>12}{'CLIP' if with_clip else '':>{8 if with_clip else 0}}  gate"]
+             f"{'step cos':>10}{'weights MB':>12}{'CLIP' if with_clip else '':>{8 if with_clip else 0}}{'s':>8}  gate"]
     for row in rows:
         if row.report is None:
             lines.append(f"{row.fmt:<{width}}{1.0:8.4f}{'100.0%':>10}{'inf':>9}{1.0:10.6f}{0.0:11.4f}{1.0:10.6f}"
-                         f"{row.weight_bytes / 1e6:12.2f}{clip(row)}  -")
+                         f"{row.weight_bytes / 1e6:12.2f}{clip(row)}{row.seconds:8.1f}  -")
             continue
         r = row.report
         failures = row_failures(row, rows[0])
         gate = "FAIL: " + "; ".join(failures) if failures else "pass"
         lines.append(f"{row.fmt:<{width}}{r.ssim:8.4f}{100 * r.ssim:9.1f}%{r.psnr:9.2f}{r.cosine:10.6f}"
-                     f"{r.relative_l2:11.4f}{row.step_cosines.min():10.6f}{row.weight_bytes / 1e6:12.2f}{clip(row)}  {gate}")
+                     f"{r.relative_l2:11.4f}{row.step_cosines.min():10.6f}{row.weight_bytes / 1e6:12.2f}{clip(row)}"
+                     f"{row.seconds:8.1f}  {gate}")
     return "\n".join(lines)
 
 
@@ -285,7 +292,7 @@ def table_json(rows: Sequence[QualityRow]) -> list[dict]:
     """The table's rows as JSON-ready dicts: format, weight bytes, and the gate's figures and verdict."""
     out = []
     for row in rows:
-        entry = {"format": row.fmt, "weight_bytes": row.weight_bytes}
+        entry = {"format": row.fmt, "weight_bytes": row.weight_bytes, "seconds": row.seconds}
         if row.clip_scores is not None:
             entry["clip_score"] = row.clip_score
         if row.report is not None:

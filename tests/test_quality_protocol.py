@@ -143,4 +143,5 @@ def _quantized_transformer(pipe, fmt):
     from mxdit.quant.model import dequantize_model, krea2_rules, quantize_model, with_params
 
     params = dict(iter_params(pipe.transformer))
-    return with_params(pipe.transformer, dequantize_model(quantize_model(params, krea2_rules(fmt)), pipe.transformer.dtype))
+    weights = dequantize_model(quantize_model(params, krea2_rules(fmt)), pipe.transformer.dtype)
+    return with_params(pipe.transformer, weights)
