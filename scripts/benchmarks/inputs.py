@@ -73,3 +73,23 @@ def flux_flops(cfg, image_len: int, text_len: int) -> float:
     double = 2 * seq * (4 * d * d + 8 * d * d) + 4 * seq * seq * d  # qkv+out and MLP, both streams; attention
     single = 2 * seq * (3 * d * d + 4 * d * d + 5 * d * d) + 4 * seq * seq * d
     return cfg.num_layers * double + cfg.num_single_layers * single
+
+
+def random_model(build, place=None):
+    """The module `build()` makes (only traced) with random weights (normal, std 0.02) made on the device tensor by
+    tensor, each passed through `place(module_key, array)` when given (e.g. `quant.model.quantize_on_load`): the
+    device never holds more of the model in bf16 than one tensor beyond what `place` keeps, so a model whose bf16
+    weights exceed the device (or a memory cap) can be built quantized."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from mxdit.model.loading import module_key
+
+    graphdef, state = nnx.split(nnx.eval_shape(build))
+    flat = nnx.to_flat_state(state)
+    for i, (path, variable) in enumerate(flat):
+        value = variable.get_value()
+        array = (jax.random.normal(jax.random.key(i), value.shape, jnp.float32) * 0.02).astype(value.dtype)
+        variable.set_value(array if place is None else place(module_key(path), array))
+    return nnx.merge(graphdef, nnx.from_flat_state(flat))

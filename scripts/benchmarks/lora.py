@@ -8,7 +8,7 @@ import time
 
 import numpy as np
 
-from .inputs import TINY_FLUX, TINY_KREA2, flux_inputs, krea2_config, krea2_inputs
+from .inputs import TINY_FLUX, TINY_KREA2, flux_inputs, krea2_config, krea2_inputs, random_model
 from .rows import emit, error_text, flags, subprocess_rows, write_json
 from .timing import jax_peak_gb, memory_fraction
 
@@ -48,10 +48,13 @@ def lora_step(args) -> None:
 
 
 def _model_and_batch(args):
-    """The family's transformer (full size, --num-layers blocks, or --tiny) with random bf16 weights, its
-    quantization rules, and a training batch of one example."""
+    """The family's transformer (full size, --num-layers blocks, or --tiny) with random weights made tensor by tensor
+    (`random_model`: with --quantize-base, each block matrix quantized as it is made, so that the device never holds
+    the bf16 base, as train_lora.py --quantize-base reads a model), and a training batch of one example."""
     import jax.numpy as jnp
     from flax import nnx
+
+    from mxdit.quant.model import quantize_on_load
 
     if args.family == "flux":
         from mxdit.model.flux import FluxConfig, FluxTransformer
@@ -60,7 +63,7 @@ def _model_and_batch(args):
         layers = {} if args.num_layers is None else dict(num_layers=args.num_layers,
                                                          num_single_layers=2 * args.num_layers)
         cfg = FluxConfig(**TINY_FLUX) if args.tiny else FluxConfig(**layers)
-        model = FluxTransformer(cfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+        model_cls = FluxTransformer
         hidden, text, pooled, img_ids, txt_ids = flux_inputs(cfg, args.height, args.width, args.text_len)
         batch = {"latents": jnp.asarray(hidden)[None], "embeds": jnp.asarray(text, jnp.bfloat16)[None],
                  "mask": jnp.ones((1, 1, args.text_len), bool), "pooled": jnp.asarray(pooled, jnp.bfloat16)[None],
@@ -70,12 +73,13 @@ def _model_and_batch(args):
         from mxdit.quant.model import krea2_rules as rules
 
         cfg = Krea2Config(**TINY_KREA2) if args.tiny else krea2_config(args)
-        model = Krea2Transformer(cfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+        model_cls = Krea2Transformer
         hidden, text, _, position_ids, mask = krea2_inputs(cfg, args.height, args.width, args.text_len,
                                                            args.valid_text)
         batch = {"latents": jnp.asarray(hidden)[None], "embeds": jnp.asarray(text, jnp.bfloat16)[None],
                  "mask": jnp.asarray(mask)[None], "position_ids": jnp.asarray(position_ids)}
-    return model, rules, batch
+    place = quantize_on_load(rules(args.quantize_base)) if args.quantize_base else None
+    return random_model(lambda: model_cls(cfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(0)), place), batch
 
 
 def jax_lora_step(args) -> list[dict]:
@@ -86,12 +90,10 @@ def jax_lora_step(args) -> list[dict]:
     import jax.numpy as jnp
     from flax import nnx
 
-    from mxdit.training.lora import LoraConfig, add_lora, quantize_base
+    from mxdit.training.lora import LoraConfig, add_lora
     from mxdit.training.train import REMAT_POLICIES, TrainConfig, jit_train_step, make_optimizer
 
-    model, rules, batch = _model_and_batch(args)
-    if args.quantize_base:
-        quantize_base(model, rules(args.quantize_base))
+    model, batch = _model_and_batch(args)
     names = add_lora(model, LoraConfig(rank=args.rank, alpha=float(args.rank)))
     model.remat_policy = REMAT_POLICIES[args.remat]
     config = TrainConfig(steps=10_000, remat=args.remat)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 
-from .inputs import krea2_config, krea2_flops, krea2_inputs
+from .inputs import krea2_config, krea2_flops, krea2_inputs, random_model
 from .rows import emit, error_text, flags, subprocess_rows, write_json
 from .timing import median_seconds, memory_fraction, timed
 
@@ -79,32 +79,29 @@ def jax_krea2_offload(args) -> list[dict]:
 
 
 def _streamed_model(cfg, precision: str, resident: int, prefetch: int, device):
-    """A `StreamedKrea2` of random weights, made tensor by tensor: blocks from `resident` on go straight to pinned
-    host memory."""
+    """A `StreamedKrea2` of random weights, made tensor by tensor (`random_model`): blocks from `resident` on go
+    straight to pinned host memory."""
     import jax
     import jax.numpy as jnp
     from flax import nnx
 
     from mxdit.model.krea2 import Krea2Transformer, stack_projections
-    from mxdit.model.loading import module_key
     from mxdit.model.offload import StreamedKrea2
     from mxdit.ops.names import Precision
     from mxdit.quant.model import krea2_rules, quantize_on_load
 
-    graphdef, state = nnx.split(nnx.eval_shape(lambda: Krea2Transformer(cfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))))
     host = jax.sharding.SingleDeviceSharding(device, memory_kind="pinned_host")
     weight_format = Precision(precision).weight_format
     quantize = quantize_on_load(krea2_rules(weight_format)) if weight_format else None
-    flat = nnx.to_flat_state(state)
-    for i, (path, variable) in enumerate(flat):
-        value = variable.get_value()
-        array = (jax.random.normal(jax.random.key(i), value.shape, jnp.float32) * 0.02).astype(value.dtype)
+
+    def place(key: str, array):
         if quantize is not None:
-            array = quantize(module_key(path), array)
-        if path[0] == "transformer_blocks" and int(path[1]) >= resident:
+            array = quantize(key, array)
+        if key.startswith("transformer_blocks.") and int(key.split(".")[1]) >= resident:
             array = jax.device_put(array, host)
-        variable.set_value(array)
-    model = nnx.merge(graphdef, nnx.from_flat_state(flat))
+        return array
+
+    model = random_model(lambda: Krea2Transformer(cfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(0)), place)
     if precision != "bf16":
         stack_projections(model)  # as generate.py runs a quantized model (host-memory blocks stay in host memory)
     return StreamedKrea2(model, resident=resident, prefetch=prefetch)
