@@ -123,7 +123,7 @@ def main(argv=None) -> int:
     import jax.numpy as jnp
 
     from mxdit.model.inference import InferenceOptions, build_pipeline
-    from mxdit.model.loading import CheckpointError
+    from mxdit.model.loading import CheckpointError, place_parameters
     from mxdit.model.lora import LoraConfig
     from mxdit.model.pipelines import load_pipeline
     from mxdit.training.data import DataError
@@ -153,7 +153,14 @@ def main(argv=None) -> int:
             print("mxdit demo: tiny Krea 2-shaped model with RANDOM weights -- training machinery, not a real LoRA.")
             tag = "demo"
         else:
-            pipe = load_pipeline(args.model, dtype)
+            places = []
+            if args.quantize_base:  # quantized as read: the device never holds the base in bf16
+                from mxdit.quant.model import flux_rules, krea2_rules, quantize_on_load
+
+                # Both families' rules: each selects only its own blocks' matrices (the encoders' keys match neither).
+                places.append(quantize_on_load(krea2_rules(args.quantize_base) + flux_rules(args.quantize_base)))
+            with place_parameters(*places):
+                pipe = load_pipeline(args.model, dtype)
             tag = str(args.model.resolve())
         targets = target_preset(pipe.transformer, args.targets) if isinstance(args.targets, str) else args.targets
         lora_config = LoraConfig(rank=args.rank, alpha=args.alpha if args.alpha is not None else float(args.rank),
@@ -165,7 +172,7 @@ def main(argv=None) -> int:
             if type(validation_pipe) is not type(pipe):
                 raise TrainError(f"--validation-model {args.validation_model}: a {type(validation_pipe).__name__}, "
                                  f"but the model trained is a {type(pipe).__name__}")
-        if args.quantize_base:
+        if args.quantize_base:  # the demo's base (a folder's was quantized as read; quantized weights are kept)
             from mxdit.quant.model import flux_rules, krea2_rules
 
             rules = {"krea2": krea2_rules, "flux": flux_rules}[model_family(pipe.transformer)]

@@ -392,3 +392,56 @@ def test_flux_remat_changes_memory_not_the_gradients(base):
     assert abs(float(loss_a) - float(loss_b)) <= 1e-6 * abs(float(loss_a))
     for a, b in zip(jax.tree.leaves(grads_a), jax.tree.leaves(grads_b), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.slow  # ~20 s on 2 cores: the validation images' programs
+def test_the_encoders_wait_in_host_memory_while_the_transformer_trains(pipe, photos, cache, tmp_path, monkeypatch):
+    """The text encoder and the VAE leave the device's memory for the training steps (they have encoded the data),
+    come back for the validation images and stay there when training ends."""
+    from mxdit.training import train as train_lib
+
+    def kinds():
+        return {x.sharding.memory_kind for name in train_lib.ENCODERS if hasattr(pipe, name)
+                for x in jax.tree.leaves(nnx.state(getattr(pipe, name)))}
+
+    seen = []
+    step = train_lib.jit_train_step
+
+    def watched(*args):
+        seen.append(kinds())
+        return step(*args)
+
+    monkeypatch.setattr(train_lib, "jit_train_step", watched)
+    config = dataclasses.replace(CONFIG, steps=2, validate_every=1, validation_prompts=("a cat",),
+                                 validation_steps=1, validation_size=(32, 32))
+    train(fresh(pipe), photos, tmp_path / "run", config, LORA, model_tag="demo", cache_dir=cache, progress=False)
+    assert seen == [{"pinned_host"}, {"pinned_host"}] and kinds() == {"device"}
+    assert sorted(p.name for p in (tmp_path / "run" / "validation").iterdir()) == ["step_000001_0.png",
+                                                                                     "step_000002_0.png"]
+
+
+@pytest.mark.slow  # ~15 s on 2 cores
+def test_cli_quantizes_the_base_as_it_reads_the_folder(photos, tmp_path, capsys, monkeypatch):
+    """train_lora.py --model DIR --quantize-base FMT: the block matrices arrive quantized (the device never holds the
+    base in bf16), so the quantize_base call after loading finds nothing left to do."""
+    from mxdit.training import lora as lora_lib
+
+    left = []
+    quantize_base = lora_lib.quantize_base
+
+    def watched(model, rules):
+        left.append(quantize_base(model, rules))
+        return left[-1]
+
+    monkeypatch.setattr(lora_lib, "quantize_base", watched)
+    argv = ["--model", str(Path(__file__).parent / "fixtures" / "krea2" / "tiny_pipeline"), "--data", str(photos),
+            "--output", str(tmp_path / "run"), "--steps", "2", "--resolution", "32", "--bucket-multiple", "16",
+            "--aspects", "1", "--rank", "2", "--max-sequence-length", "16", "--dtype", "fp32",
+            "--quantize-base", "fp8_e4m3", "--no-progress"]
+    code, captured = run_cli(argv, capsys)
+    assert code == 0, captured.err
+    assert left == [[]] and (tmp_path / "run" / "lora.safetensors").is_file()
+    config = json.loads((tmp_path / "run" / "train_config.json").read_text())
+    assert config["model"]["quantized"] == ["fp8_e4m3"]  # the base's formats, as a resume compares them
+    code, captured = run_cli(argv[:-2] + ["int8", "--no-progress", "--resume"], capsys)
+    assert code == 2 and "cannot resume" in captured.err and "quantized" in captured.err
