@@ -302,10 +302,14 @@ def dequantize_comfy(checkpoint: Checkpoint) -> Checkpoint:
 
 
 def open_checkpoint(path: Path, weights_name: str) -> Checkpoint:
-    """Open `path`: a single `.safetensors` file, or a folder holding `{weights_name}.safetensors` or the shards named
-    by `{weights_name}.safetensors.index.json`. PyTorch pickles (`.bin`, `.pt`, `.pth`, `.ckpt`) are refused by name:
-    they are never read."""
+    """Open `path`: a single `.safetensors` or `.gguf` file (`gguf_checkpoint`), or a folder holding
+    `{weights_name}.safetensors` or the shards named by `{weights_name}.safetensors.index.json`. PyTorch pickles
+    (`.bin`, `.pt`, `.pth`, `.ckpt`) are refused by name: they are never read."""
     path = Path(path)
+    if path.is_file() and path.suffix.lower() == ".gguf":
+        from .gguf_checkpoint import GGUFCheckpoint
+
+        return GGUFCheckpoint(path)
     if path.is_file():
         return dequantize_comfy(SafetensorsCheckpoint([path]))
     if not path.is_dir():

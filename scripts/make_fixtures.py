@@ -31,7 +31,7 @@ import torch
 if str(Path(__file__).resolve().parent) not in sys.path:  # the fixtures package beside this file
     sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from fixtures import clip, flux, key_coverage, krea2, lora, tokenizer_parity, vae  # noqa: E402
+from fixtures import clip, flux, gguf, key_coverage, krea2, lora, tokenizer_parity, vae  # noqa: E402
 
 FIXTURES = Path(__file__).resolve().parent.parent / "tests" / "fixtures"
 
@@ -67,6 +67,7 @@ GROUPS = {
     "tokenizers": (tokenizer_parity.write_tokenizers, "tokenizers"),
     "flux_lora_export": (lora.write_flux_lora_export, "flux"),
     "clip": (clip.write_clip, "clip"),
+    "gguf": (gguf.write_gguf_fixtures, "gguf"),  # reads krea2's and flux's tiny_original
 }
 
 

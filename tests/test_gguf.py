@@ -1,0 +1,75 @@
+"""GGUF transformer files (model/gguf_checkpoint.py) in ComfyUI-GGUF's layout, written by the gguf package's writer
+(`scripts/make_fixtures.py --only gguf`): Q8_0 and Q4_0 of the tiny Krea 2 and FLUX.1 transformers, Q4_K of a Krea 2
+transformer 256 wide. Each loads as the weights the format's dequantizer makes of it, so the output is diffusers' with
+its dequantizers run in float32 to float32 parity; diffusers as its users run it forms d * q in float16."""
+
+import gguf
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from conftest import FIXTURES, relative_l2
+from mxdit.model.flux import FluxTransformer
+from mxdit.model.gguf_checkpoint import GGUFCheckpoint
+from mxdit.model.krea2 import Krea2Transformer
+from mxdit.model.loading import CheckpointError, iter_params
+
+GGUF = FIXTURES / "gguf"
+KREA2_TINY, KREA2_WIDE = FIXTURES / "krea2" / "tiny" / "config.json", GGUF / "krea2_wide" / "config.json"
+
+
+@pytest.fixture(scope="module")
+def references():
+    return dict(np.load(GGUF / "reference.npz"))
+
+
+@pytest.mark.parametrize("name, block_type, config", [("krea2_q8_0", "Q8_0", KREA2_TINY),
+                                                      ("krea2_q4_0", "Q4_0", KREA2_TINY),
+                                                      ("krea2_wide_q4_k", "Q4_K", KREA2_WIDE)])
+def test_krea2_gguf_computes_what_diffusers_computes(name, block_type, config, references):
+    file = GGUF / f"{name}.gguf"
+    checkpoint = GGUFCheckpoint(file)
+    assert checkpoint.block_type("model.diffusion_model.blocks.0.mlp.up.weight") == block_type
+    model = Krea2Transformer.from_pretrained(file, jnp.float32, config=config)
+    up = dict(iter_params(model))["transformer_blocks.0.ff.up.weight"]
+    tensor = next(t for t in gguf.GGUFReader(str(file)).tensors
+                  if t.name == "model.diffusion_model.blocks.0.mlp.up.weight")
+    np.testing.assert_array_equal(np.asarray(up), gguf.quants.dequantize(tensor.data, tensor.tensor_type))
+    r = dict(np.load(FIXTURES / "krea2" / "reference.npz"))
+    out = model(r["hidden_states"], r["encoder_hidden_states"], r["timestep"], r["position_ids"],
+                r["encoder_attention_mask"])
+    assert relative_l2(out, references[name + "_float32"]) <= 2e-6  # measured 2.7e-7 to 3.6e-7
+    # diffusers' from_single_file as its users run it: its dequantizers form d * q in float16 (measured 2.3e-4 to
+    # 4.0e-4 from that rounding alone)
+    assert relative_l2(out, references[name]) <= 1e-3
+
+
+@pytest.mark.parametrize("name", ["flux_q8_0", "flux_q4_0"])
+def test_flux_gguf_computes_what_diffusers_computes(name, references):
+    model = FluxTransformer.from_pretrained(GGUF / f"{name}.gguf", jnp.float32,
+                                            config=FIXTURES / "flux" / "tiny" / "config.json")
+    r = dict(np.load(FIXTURES / "flux" / "reference.npz"))
+    out = model(r["hidden_states"], r["encoder_hidden_states"], r["pooled_projections"], r["timestep"], r["img_ids"],
+                r["txt_ids"], r["guidance"])
+    assert relative_l2(out, references[name + "_float32"]) <= 3e-5  # measured 6.7e-6 and 7.2e-6, as FLUX.1's tiny
+
+
+def test_what_is_not_a_gguf_file_of_a_model_read_here_is_named(tmp_path):
+    broken = tmp_path / "model.gguf"
+    broken.write_bytes(b"GGUF but not really")
+    with pytest.raises(CheckpointError, match=f"{broken}: not a readable GGUF file"):
+        Krea2Transformer.from_pretrained(broken)
+    other = tmp_path / "int.gguf"
+    writer = gguf.GGUFWriter(str(other), "krea2")
+    writer.add_tensor("model.diffusion_model.first.weight", np.zeros((4, 8), np.int8))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(CheckpointError, match=f"{other}: tensor 'model.diffusion_model.first.weight' is stored as I8, "
+                                              "a GGUF block type mxdit does not read"):
+        Krea2Transformer.from_pretrained(other)
+    with pytest.raises(CheckpointError, match="flux_q8_0.gguf: not a Krea 2 transformer checkpoint"):
+        Krea2Transformer.from_pretrained(GGUF / "flux_q8_0.gguf", jnp.float32)
+    with pytest.raises(CheckpointError, match="krea2_q8_0.gguf: not a FLUX transformer checkpoint"):
+        FluxTransformer.from_pretrained(GGUF / "krea2_q8_0.gguf", jnp.float32)
