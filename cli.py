@@ -39,6 +39,11 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quantized", type=Path, default=None, metavar="FILE",
                         help="the transformer's weights from this quantized checkpoint (scripts/quantize.py) instead "
                              "of --model's transformer/ folder; its matrices run through the low-precision GEMM kernels")
+    parser.add_argument("--transformer", type=Path, default=None, metavar="FILE",
+                        help="the transformer's weights from this single file instead of --model's transformer/ "
+                             "folder: .safetensors (diffusers' or the original release's key names, ComfyUI's "
+                             "FP8-scaled and MXFP8 files) or .gguf (Q8_0, Q4_0, K-quants...), dequantized as read, then "
+                             "in --precision")
     parser.add_argument("--attention", choices=[a.value for a in AttentionKernel], default=None,
                         help="the attention kernel (default cuDNN on a GPU, XLA elsewhere; int8: INT8-QK, Triton "
                              "lowering; int8_mosaic: INT8-QK, Hopper; _fp8: with P.V in FP8, faster, less exact)")
@@ -71,7 +76,7 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
 def check_model_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """`add_model_arguments`' flags checked before anything loads (one line naming the flag); sets `args.loras` to
     (path, weight) pairs and the default dtype."""
-    from mxdit.model.inference import QUANTIZED_NEEDS_MODEL, options_error
+    from mxdit.model.inference import QUANTIZED_NEEDS_MODEL, TRANSFORMER_NEEDS_MODEL, options_error
 
     if args.model is not None and not args.model.is_dir():
         parser.error(f"--model {args.model}: no such folder")
@@ -82,6 +87,13 @@ def check_model_arguments(parser: argparse.ArgumentParser, args: argparse.Namesp
             parser.error(QUANTIZED_NEEDS_MODEL)
         if not args.quantized.is_file():
             parser.error(f"--quantized {args.quantized}: no such file")
+    if args.transformer is not None:
+        if args.model is None:
+            parser.error(TRANSFORMER_NEEDS_MODEL)
+        if not args.transformer.is_file():
+            parser.error(f"--transformer {args.transformer}: no such file")
+        if args.quantized is not None:
+            parser.error("--transformer with --quantized: both name the transformer's weights; give one")
     error = options_error(precision=args.precision, quantized=args.quantized is not None, sharded=args.mesh is not None,
                           offload=args.offload, prefetch=args.prefetch, fuse_loras=args.fuse_lora)
     if error is not None:
@@ -97,6 +109,8 @@ def check_model_arguments(parser: argparse.ArgumentParser, args: argparse.Namesp
 
 def lora_flags(parser: argparse.ArgumentParser, specs: list[str]) -> list[tuple[Path, float]]:
     """--lora FILE[:WEIGHT] flags as (path, weight) pairs; a bad weight or a missing file exits naming it."""
+    if not specs:
+        return []  # and no import of the models (with jax) while parsing
     from mxdit.model.lora_files import parse_lora_arg
 
     loras = []
@@ -129,7 +143,8 @@ def inference_options(args: argparse.Namespace, mesh=None, swap_loras: bool = Fa
     return InferenceOptions(
         precision=Precision(args.precision), attention=AttentionKernel(args.attention) if args.attention else None,
         dtype=DTYPES[args.dtype], offload=args.offload, prefetch=args.prefetch, loras=tuple(args.loras),
-        fuse_loras=args.fuse_lora, swap_loras=swap_loras and not args.fuse_lora, quantized=args.quantized, mesh=mesh,
+        fuse_loras=args.fuse_lora, swap_loras=swap_loras and not args.fuse_lora, quantized=args.quantized,
+        transformer=args.transformer, mesh=mesh,
         sequence_attention=args.sequence_attention)
 
 

@@ -24,6 +24,8 @@ if TYPE_CHECKING:
     from .pipeline_krea2 import Krea2Pipeline
 
 QUANTIZED_NEEDS_MODEL = "--quantized needs --model (the folder with the other components and transformer/config.json)"
+TRANSFORMER_NEEDS_MODEL = ("--transformer needs --model (the folder with the other components and "
+                           "transformer/config.json)")
 
 
 def options_error(*, precision: Precision | str, quantized: bool, sharded: bool, offload: int | None, prefetch: int,
@@ -64,6 +66,9 @@ class InferenceOptions:
         named by the files' stems), whose weights can change between calls without recompiling.
     quantized: a quantized checkpoint of the transformer (scripts/quantize.py) read in place of the model folder's
         transformer weights; its formats are the precision.
+    transformer: a single file of the transformer's weights read in place of the model folder's (its config.json
+        still gives the sizes): `.safetensors` in diffusers' or the original release's key names (ComfyUI's FP8-scaled
+        and MXFP8 files too) or `.gguf` (`gguf_checkpoint`), dequantized as read, then in `precision`.
     stack: the projections that share an input (Q/K/V/gate, gate/up) as one product each; never with a `mesh`, whose
         sharding places them by name.
     mesh: run the denoising loop on this device mesh (Krea 2); sequence_attention: with a `seq` axis above 1,
@@ -79,6 +84,7 @@ class InferenceOptions:
     fuse_loras: bool = False
     swap_loras: bool = False
     quantized: Path | None = None
+    transformer: Path | None = None
     stack: bool = True
     mesh: Mesh | None = None
     sequence_attention: str | None = None
@@ -90,6 +96,10 @@ class InferenceOptions:
         object.__setattr__(self, "loras", tuple((Path(path), float(weight)) for path, weight in self.loras))
         if self.quantized is not None:
             object.__setattr__(self, "quantized", Path(self.quantized))
+        if self.transformer is not None:
+            object.__setattr__(self, "transformer", Path(self.transformer))
+            if self.quantized is not None:
+                raise ValueError("--transformer with --quantized: both name the transformer's weights; give one")
         error = options_error(precision=self.precision, quantized=self.quantized is not None,
                               sharded=self.mesh is not None, offload=self.offload, prefetch=self.prefetch,
                               fuse_loras=self.fuse_loras)
@@ -240,6 +250,8 @@ def _load(model: str | Path | None, options: InferenceOptions, dtype) -> Krea2Pi
     if model is None:
         if options.quantized is not None:
             raise ValueError(QUANTIZED_NEEDS_MODEL)
+        if options.transformer is not None:
+            raise ValueError(TRANSFORMER_NEEDS_MODEL)
         from .pipeline_krea2 import demo_pipeline
 
         with tempfile.TemporaryDirectory(prefix="mxdit-demo-tokenizer-") as folder:  # read, then removed
@@ -260,4 +272,5 @@ def _load(model: str | Path | None, options: InferenceOptions, dtype) -> Krea2Pi
 
         places.append(streamed_placement_for_folder(model, options.offload))
     with place_parameters(*places):
-        return load_pipeline(model, dtype=dtype, quantized_transformer=options.quantized)
+        return load_pipeline(model, dtype=dtype, quantized_transformer=options.quantized,
+                             transformer_file=options.transformer)

@@ -21,10 +21,13 @@ PIPELINES = {"Krea2Pipeline": Krea2Pipeline, "FluxPipeline": FluxPipeline}
 
 
 def load_pipeline(folder: str | Path, dtype: jnp.dtype = jnp.bfloat16, *,
-                  quantized_transformer: str | Path | None = None) -> Krea2Pipeline | FluxPipeline:
+                  quantized_transformer: str | Path | None = None,
+                  transformer_file: str | Path | None = None) -> Krea2Pipeline | FluxPipeline:
     """Krea 2 or FLUX.1, by the `_class_name` of the folder's model_index.json. `quantized_transformer`: mxdit's
     quantized checkpoint of the transformer (scripts/quantize.py), read in place of transformer/'s weights (its
-    config.json still gives the sizes): the quantized matrices go straight to the GEMM kernels' form."""
+    config.json still gives the sizes): the quantized matrices go straight to the GEMM kernels' form.
+    `transformer_file`: a single `.safetensors` or `.gguf` file of the transformer's weights (any layout
+    `from_pretrained` reads), read in place of transformer/'s, with transformer/config.json's sizes."""
     folder = Path(folder)
     if not folder.is_dir():
         raise CheckpointError(f"{folder}: no such folder")
@@ -41,6 +44,9 @@ def load_pipeline(folder: str | Path, dtype: jnp.dtype = jnp.bfloat16, *,
         config = config_cls.from_json(folder / "transformer" / "config.json")
         transformer = load_quantized_model(lambda: model_cls(config, dtype=dtype, rngs=nnx.Rngs(0)),
                                            quantized_transformer)
+    elif transformer_file is not None:
+        model_cls = {"Krea2Pipeline": Krea2Transformer, "FluxPipeline": FluxTransformer}[name]
+        transformer = model_cls.from_pretrained(transformer_file, dtype, config=folder / "transformer" / "config.json")
     return PIPELINES[name].from_pretrained(folder, dtype, transformer=transformer)
 
 

@@ -73,3 +73,53 @@ def test_what_is_not_a_gguf_file_of_a_model_read_here_is_named(tmp_path):
         Krea2Transformer.from_pretrained(GGUF / "flux_q8_0.gguf", jnp.float32)
     with pytest.raises(CheckpointError, match="krea2_q8_0.gguf: not a FLUX transformer checkpoint"):
         FluxTransformer.from_pretrained(GGUF / "krea2_q8_0.gguf", jnp.float32)
+
+
+def _gguf_copy(source, path, quantize: bool) -> None:
+    """`source`'s tensors (a safetensors file, diffusers' key names) as a GGUF file: F32, or the matrices whose rows
+    blocks of 32 divide in Q8_0."""
+    from safetensors.numpy import load_file
+
+    writer = gguf.GGUFWriter(str(path), "krea2")
+    for name, value in load_file(str(source)).items():
+        value = np.asarray(value, np.float32)
+        if quantize and name.endswith(".weight") and value.ndim == 2 and value.shape[-1] % 32 == 0:
+            writer.add_tensor(name, gguf.quants.quantize(value, gguf.GGMLQuantizationType.Q8_0),
+                              raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+        else:
+            writer.add_tensor(name, value)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+@pytest.mark.slow  # ~10 s on 2 cores: three generate.py runs
+def test_generate_reads_the_transformer_from_a_gguf_file(tmp_path, capsys):
+    """generate.py --transformer FILE: the folder's other components and config, the transformer's weights from the
+    file. An F32 copy of the folder's weights gives the folder's image; Q8_0 one close to it."""
+    import importlib.util
+    from pathlib import Path
+
+    from PIL import Image
+
+    spec = importlib.util.spec_from_file_location("generate", Path(__file__).parent.parent / "scripts" / "generate.py")
+    generate = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(generate)
+    folder = FIXTURES / "krea2" / "tiny_pipeline"
+    weights = folder / "transformer" / "diffusion_pytorch_model.safetensors"
+    _gguf_copy(weights, tmp_path / "f32.gguf", quantize=False)
+    _gguf_copy(weights, tmp_path / "q8_0.gguf", quantize=True)
+    common = ["--model", str(folder), "--prompt", "a cat", "--height", "64", "--width", "64", "--steps", "2",
+              "--dtype", "fp32", "--max-sequence-length", "16", "--compile-cache", ""]
+    images = []
+    for extra in ([], ["--transformer", str(tmp_path / "f32.gguf")], ["--transformer", str(tmp_path / "q8_0.gguf")]):
+        out = tmp_path / f"{len(images)}.png"
+        assert generate.main(common + extra + ["--output", str(out)]) == 0, capsys.readouterr().err
+        with Image.open(out) as image:
+            images.append(np.asarray(image, np.float32))
+    np.testing.assert_array_equal(images[1], images[0])
+    assert 0 < np.abs(images[2] - images[0]).mean() < 2.0
+    with pytest.raises(SystemExit):
+        generate.main(["--demo", "--prompt", "x", "--transformer", str(tmp_path / "f32.gguf")])
+    assert "--transformer needs --model" in capsys.readouterr().err
