@@ -1,7 +1,7 @@
 """Quantize a transformer checkpoint, or print the weight bytes of the full-size models at every format.
 
     python scripts/quantize.py --model /models/Krea-2-Turbo/transformer --format mxfp6_e2m3 --output krea2_mxfp6.safetensors
-    python scripts/quantize.py --sizes          # full-size Krea 2 and FLUX.1-dev, from their shapes (no weights needed)
+    python scripts/quantize.py --sizes          # full-size Krea 2 and FLUX.1-dev, ours and GGUF files, from shapes
 
 The output is mxdit's quantized checkpoint (one safetensors file; see quant/model.py). Existing files are never
 overwritten unless --overwrite is given.
@@ -12,6 +12,8 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+
+import numpy as np
 
 from mxdit.cli import OneLineErrorParser
 
@@ -35,7 +37,28 @@ def size_table() -> list[tuple[str, str, int]]:
         shapes = {k: (tuple(v.shape), v.dtype) for k, v in iter_params(nnx.eval_shape(build))}
         rows.append((name, "bf16", weight_bytes(shapes, [])))
         rows += [(name, fmt, weight_bytes(shapes, rules(fmt))) for fmt in formats()]
+        rows += [(name, f"GGUF {kind}", gguf_file_bytes(shapes, kind)) for kind in GGUF_SIZES]
     return rows
+
+
+# GGUF block types: (values a block, bytes a block), llama.cpp's (gguf.GGML_QUANT_SIZES)
+GGUF_SIZES = {"Q8_0": (32, 34), "Q6_K": (256, 210), "Q5_K": (256, 176), "Q4_K": (256, 144), "Q4_0": (32, 18),
+              "Q3_K": (256, 110), "Q2_K": (256, 84)}
+
+
+def gguf_file_bytes(shapes, kind: str) -> int:
+    """Bytes of a GGUF file of these parameters as ComfyUI-GGUF's converter writes one: the matrices whose rows the
+    blocks divide in `kind`, the rest in F16 (1-D tensors in F32). Read by mxdit, it becomes --precision's weights on
+    the device (its rows above)."""
+    values, nbytes = GGUF_SIZES[kind]
+    total = 0
+    for key, (shape, _) in shapes.items():
+        size = int(np.prod(shape))
+        if key.endswith(".weight") and len(shape) == 2 and shape[-1] % values == 0:
+            total += size // values * nbytes
+        else:
+            total += size * (4 if len(shape) == 1 else 2)
+    return total
 
 
 # quant.formats.formats(), listed here so that parsing needs no jax (a test keeps the two equal)
@@ -76,7 +99,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.sizes:
-        print(f"{'model':<12}{'format':<13}{'GB':>8}")
+        print(f"{'model':<12}{'format':<13}{'GB':>8}   (GGUF: the file, read into --precision's format)")
         for model, fmt, nbytes in size_table():
             print(f"{model:<12}{fmt:<13}{nbytes / 1e9:8.2f}")
         return 0

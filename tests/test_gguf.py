@@ -123,3 +123,22 @@ def test_generate_reads_the_transformer_from_a_gguf_file(tmp_path, capsys):
     with pytest.raises(SystemExit):
         generate.main(["--demo", "--prompt", "x", "--transformer", str(tmp_path / "f32.gguf")])
     assert "--transformer needs --model" in capsys.readouterr().err
+
+
+def test_quantize_sizes_counts_gguf_files_as_they_are_written(tmp_path):
+    """quantize.py --sizes' GGUF rows: llama.cpp's block sizes, and the bytes of a file the converter's way (the
+    matrices the blocks divide quantized, the rest F16, 1-D F32) as the writer writes it, but for its header."""
+    import importlib.util
+    from pathlib import Path
+
+    from safetensors.numpy import load_file
+
+    spec = importlib.util.spec_from_file_location("quantize", Path(__file__).parent.parent / "scripts" / "quantize.py")
+    quantize = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(quantize)
+    for kind, size in quantize.GGUF_SIZES.items():
+        assert gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[kind]] == size
+    tensors = load_file(str(FIXTURES / "krea2" / "tiny_original.safetensors"))
+    shapes = {k: (v.shape, v.dtype) for k, v in tensors.items()}
+    reader = gguf.GGUFReader(str(GGUF / "krea2_q8_0.gguf"))
+    assert quantize.gguf_file_bytes(shapes, "Q8_0") == sum(int(t.n_bytes) for t in reader.tensors)
