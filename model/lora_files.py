@@ -328,12 +328,8 @@ def apply_loras(model: nnx.Module, loras: Sequence[tuple[str | Path | LoraFile, 
     fixture with an MXFP8 (E4M3) base: output relative L2 to diffusers' float32 2.0e-2 without the LoRA, 3.2e-2 with
     it fused (float32 dense: 4e-7).
     """
-    files = [(lora if isinstance(lora, LoraFile) else read_lora(lora, model), float(weight)) for lora, weight in loras]
     layers = dict(linear_layers(model))
-    by_module: dict[str, list[tuple[LoraUpdate, float]]] = {}
-    for file, weight in files:
-        for name, update in file.updates.items():
-            by_module.setdefault(name, []).append((update, weight))
+    by_module = _updates_by_module(model, loras)
     if fuse:
         for name, updates in by_module.items():
             _fuse(layers[name], sum(w * u.delta() for u, w in updates))
@@ -347,6 +343,38 @@ def apply_loras(model: nnx.Module, loras: Sequence[tuple[str | Path | LoraFile, 
         B = np.concatenate([w * u.scale * u.B for u, w in updates], axis=1)
         layers[name].lora = nnx.data(LoRA.from_matrices(A, B, 1.0))
     return list(by_module)
+
+
+def _updates_by_module(model: nnx.Module, loras) -> dict[str, list[tuple[LoraUpdate, float]]]:
+    files = [(lora if isinstance(lora, LoraFile) else read_lora(lora, model), float(weight)) for lora, weight in loras]
+    by_module: dict[str, list[tuple[LoraUpdate, float]]] = {}
+    for file, weight in files:
+        for name, update in file.updates.items():
+            by_module.setdefault(name, []).append((update, weight))
+    return by_module
+
+
+def fused_update_loss(model: nnx.Module, loras, rules) -> float:
+    """How much of the LoRAs fused into `model` (`apply_loras(fuse=True)`) quantizing the weights as `rules` say
+    (`quant.model.krea2_rules(fmt)` and the like) loses: for each fused layer the rules quantize, its weight W and
+    W - update, each quantized and dequantized; the relative L2 of their difference against the update, over all
+    those layers. 0: the update survives exactly; 1: its error is as large as the update (a small update can round
+    away entirely in INT8 or 4-bit storage). 0.0 where the rules quantize none of them."""
+    from mxdit.quant.formats import quantize
+    from mxdit.quant.model import format_for
+
+    layers = dict(linear_layers(model))
+    error = total = 0.0
+    for name, updates in _updates_by_module(model, loras).items():
+        fused = jnp.asarray(layers[name].weight.get_value(), jnp.float32)
+        fmt = format_for(name + ".weight", tuple(fused.shape), rules)
+        if not fmt:
+            continue
+        update = jnp.asarray(sum(w * u.delta() for u, w in updates))
+        survived = quantize(fused, fmt).dequantize() - quantize(fused - update, fmt).dequantize()
+        error += float(jnp.sum(jnp.square(survived - update)))
+        total += float(jnp.sum(jnp.square(update)))
+    return (error / total) ** 0.5 if total else 0.0
 
 
 class LoraSlots:
