@@ -244,7 +244,10 @@ class DerivedCheckpoint:
 
 
 _SCALE_SUFFIXES = (".weight_scale", ".scale_weight")  # ComfyUI's quantized layers: new and old scale names
-_COMFY_EXTRA = (".comfy_quant", ".input_scale", ".scale_input")
+# consumed with the weights: format records, activation scales, NVFP4's tensor scale
+_COMFY_EXTRA = (".comfy_quant", ".input_scale", ".scale_input", ".weight_scale_2")
+_E2M1_VALUES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0],
+                        np.float32)
 
 
 def unswizzle_e8m0(blocked: np.ndarray, rows: int, cols: int) -> np.ndarray:
@@ -276,16 +279,30 @@ def _dequantizer(checkpoint: Checkpoint, weight: str, scale_key: str, fmt: str):
             scale = np.where(bits == 0, 0.0, np.ldexp(np.float32(1.0), bits.astype(np.int32) - 127)).astype(np.float32)
             return (a.astype(np.float32).reshape(rows, cols // 32, 32) * scale[..., None]).reshape(rows, cols)
         return dequantize
+    if fmt == "nvfp4":
+        layer = weight[: -len(".weight")]
+
+        def dequantize(a):
+            # comfy-kitchen's layout: two E2M1 codes a byte, the even element in the high nibble; E4M3 scales per 16
+            # in cuBLAS's swizzled layout; `.weight_scale_2` the float32 tensor scale, multiplied into the block's
+            rows, cols = a.shape[0], 2 * a.shape[1]
+            codes = np.stack([a >> 4, a & 0x0F], axis=-1).reshape(rows, cols)
+            bits = unswizzle_e8m0(np.asarray(checkpoint.get(scale_key)).view(np.uint8), rows, cols // 16)
+            tensor_scale = np.float32(np.asarray(checkpoint.get(layer + ".weight_scale_2"), np.float32).reshape(-1)[0])
+            scale = bits.view(ml_dtypes.float8_e4m3fn).astype(np.float32) * tensor_scale
+            return (_E2M1_VALUES[codes].reshape(rows, cols // 16, 16) * scale[..., None]).reshape(rows, cols)
+        return dequantize
     raise CheckpointError(f"{checkpoint.files[0]}: {weight} is quantized as {fmt!r}, which mxdit cannot read yet")
 
 
 def dequantize_comfy(checkpoint: Checkpoint) -> Checkpoint:
     """ComfyUI's quantized files seen as plain weights, dequantized on read: scaled FP8 (`L.weight` FP8 times the
-    per-tensor `L.weight_scale`, or the older `L.scale_weight` with the `scaled_fp8` marker) and MXFP8 (`L.weight`
-    E4M3 with E8M0 block scales in cuBLAS's swizzled layout, `L.comfy_quant` = {"format": "mxfp8"}). Scales, format
-    records, activation scales and the marker are consumed; other checkpoints pass unchanged. MXFP8 tensors whose
-    dimensions ComfyUI padded to multiples of 32 keep the padded shape (Krea 2's and FLUX's are all multiples).
-    (Keeping such weights quantized on the device is the fast path's business, issue #9.)"""
+    per-tensor `L.weight_scale`, or the older `L.scale_weight` with the `scaled_fp8` marker), MXFP8 (`L.weight`
+    E4M3 with E8M0 block scales in cuBLAS's swizzled layout, `L.comfy_quant` = {"format": "mxfp8"}) and NVFP4
+    (`L.weight` packed E2M1 with E4M3 scales per 16 swizzled alike and `L.weight_scale_2` a tensor scale;
+    {"format": "nvfp4"}). Scales, format records, activation scales and the marker are consumed; other checkpoints
+    pass unchanged. Tensors ComfyUI padded (MXFP8 to multiples of 32, NVFP4 of 16) keep the padded shape (Krea 2's
+    and FLUX's are all multiples)."""
     keys = checkpoint.keys()
     scales = {k[: -len(s)] + ".weight": k for k in keys for s in _SCALE_SUFFIXES if k.endswith(s)}
     if not scales:
@@ -295,7 +312,10 @@ def dequantize_comfy(checkpoint: Checkpoint) -> Checkpoint:
         if weight not in present:
             raise CheckpointError(f"{checkpoint.files[0]}: scale {scale_key!r} has no weight {weight!r}")
         fmt = _comfy_format(checkpoint, weight[: -len(".weight")], scale_key)
-        derived[weight] = (weight, _dequantizer(checkpoint, weight, scale_key, fmt), checkpoint.shape(weight))
+        shape = checkpoint.shape(weight)
+        if fmt == "nvfp4":  # two codes a byte
+            shape = (*shape[:-1], 2 * shape[-1])
+        derived[weight] = (weight, _dequantizer(checkpoint, weight, scale_key, fmt), shape)
     consumed = set(scales.values()) | {"scaled_fp8"}
     passthrough = [k for k in keys if k not in derived and k not in consumed and not k.endswith(_COMFY_EXTRA)]
     return DerivedCheckpoint(checkpoint, derived, passthrough)

@@ -111,12 +111,51 @@ def test_mxfp8_file_loads_as_dequantized_weights(tmp_path):
         np.testing.assert_array_equal(np.asarray(params[key]), value, err_msg=key)
 
 
+E2M1 = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], np.float32)
+
+
+def test_nvfp4_file_loads_as_dequantized_weights(tmp_path):
+    """comfy-kitchen's NVFP4, its rules written out: a float32 tensor scale amax / (448 * 6), E4M3 block scales of
+    16 (block amax / 6 over the tensor scale, rounded to E4M3) in the swizzled layout, E2M1 codes of the values over
+    both scales packed two a byte with the even element in the high nibble."""
+    tensors = load_file(str(TINY / "tiny_original.safetensors"))
+    expected, before = {}, {}
+    for key in list(tensors):
+        w = tensors[key]
+        if not (key.startswith("model.diffusion_model.blocks.") and key.endswith(".weight") and w.ndim == 2
+                and w.shape[0] % 16 == 0 and w.shape[1] % 16 == 0):
+            continue
+        tensor_scale = np.float32(np.abs(w).max() / (448 * 6))
+        blocks = w.reshape(w.shape[0], -1, 16)
+        block_scale = (np.abs(blocks).max(-1) / 6 / tensor_scale).astype(ml_dtypes.float8_e4m3fn)
+        total = block_scale.astype(np.float32) * tensor_scale
+        scaled = blocks / total[..., None]
+        codes = np.abs(np.abs(scaled)[..., None] - E2M1).argmin(-1) | np.where(scaled < 0, 8, 0)  # nearest E2M1
+        flat = codes.reshape(w.shape).astype(np.uint8)
+        layer = key[: -len(".weight")]
+        tensors[key] = (flat[:, 0::2] << 4) | flat[:, 1::2]
+        tensors[layer + ".weight_scale"] = to_blocked(block_scale.view(np.uint8)).view(ml_dtypes.float8_e4m3fn)
+        tensors[layer + ".weight_scale_2"] = np.array(tensor_scale, np.float32)
+        tensors[layer + ".comfy_quant"] = np.frombuffer(json.dumps({"format": "nvfp4"}).encode(), np.uint8)
+        values = np.where(codes >= 8, -E2M1[codes & 7], E2M1[codes & 7])
+        expected[original_key_to_diffusers(key)] = (values * total[..., None]).reshape(w.shape)
+        before[original_key_to_diffusers(key)] = w
+    file = tmp_path / "krea2_nvfp4.safetensors"
+    save_safetensors(tensors, file)
+    model = Krea2Transformer.from_pretrained(file, jnp.float32, config=TINY / "tiny" / "config.json")
+    params = dict(iter_params(model))
+    assert len(expected) == 16  # q, k, v, gate, out and the SwiGLU of 2 blocks
+    for key, value in expected.items():
+        np.testing.assert_array_equal(np.asarray(params[key]), value, err_msg=key)
+        assert relative_l2(value, before[key]) < 0.12, key  # what they stand for, to 4 bits (measured 0.094-0.099)
+
+
 def test_unknown_comfy_format_is_named(tmp_path):
     tensors = load_file(str(TINY / "tiny_original.safetensors"))
     key = "model.diffusion_model.blocks.0.attn.wq"
     tensors[key + ".weight_scale"] = np.ones(1, np.float32)
-    tensors[key + ".comfy_quant"] = np.frombuffer(json.dumps({"format": "nvfp4"}).encode(), np.uint8)
+    tensors[key + ".comfy_quant"] = np.frombuffer(json.dumps({"format": "int8_blockwise"}).encode(), np.uint8)
     file = tmp_path / "x.safetensors"
     save_safetensors(tensors, file)
-    with pytest.raises(CheckpointError, match="quantized as 'nvfp4', which mxdit cannot read yet"):
+    with pytest.raises(CheckpointError, match="quantized as 'int8_blockwise', which mxdit cannot read yet"):
         Krea2Transformer.from_pretrained(file, config=TINY / "tiny" / "config.json")
