@@ -12,7 +12,7 @@ import pytest
 from safetensors.numpy import load_file
 
 from conftest import FIXTURES, relative_l2
-from mxdit.model.loading import CheckpointError, save_safetensors
+from mxdit.model.loading import CheckpointError, iter_params, save_safetensors
 from mxdit.model.pipeline_common import pack_latents, unpack_latents
 from mxdit.model.pipeline_krea2 import PROMPT_PREFIX, PROMPT_SUFFIX, PREFIX_TOKENS, SUFFIX_TOKENS, Krea2Pipeline
 from mxdit.model.qwen3vl_text import Qwen3VLTextConfig, Qwen3VLTextEncoder
@@ -200,3 +200,39 @@ def test_loop_in_one_program_gives_the_stepwise_latents(pipe):
         looped = pipe("a dog", **kwargs).latents
         assert seen == [0, 1, 2]
         np.testing.assert_allclose(looped, stepwise, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("vision", [True, False])
+def test_text_encoder_from_a_comfyui_fp8_file_with_or_without_its_vision_tower(tmp_path, pipe, vision):
+    """ComfyUI's `*_fp8_scaled` text encoders: the language model's matrices in FP8 E4M3 with a float32 scale each
+    (`.scale_weight` and the `scaled_fp8` marker), the vision tower kept or stripped; loaded as the weights they
+    stand for, and the output within FP8's rounding of the float32 encoder's."""
+    import ml_dtypes
+
+    tensors = load_file(str(PIPELINE / "text_encoder" / "model.safetensors"))
+    stored, expected = {}, {}
+    for key, value in tensors.items():
+        if not key.startswith("language_model."):
+            if vision:
+                stored["model." + key] = value
+            continue
+        name = "model." + key[len("language_model."):]
+        if value.ndim == 2 and "embed_tokens" not in key:
+            scale = np.float32(np.abs(value).max() / 448)
+            stored[name] = (value / scale).astype(ml_dtypes.float8_e4m3fn)
+            stored[name[: -len(".weight")] + ".scale_weight"] = np.array(scale, np.float32)
+            expected[key[len("language_model."):]] = stored[name].astype(np.float32) * scale
+        else:
+            stored[name] = value
+    stored["scaled_fp8"] = np.zeros(0, ml_dtypes.float8_e4m3fn)
+    assert any(k.startswith("model.visual.") for k in stored) == vision
+    file = tmp_path / "qwen3vl_fp8_scaled.safetensors"
+    save_safetensors(stored, file)
+    encoder = Qwen3VLTextEncoder.from_pretrained(file, jnp.float32,
+                                                 config=PIPELINE / "text_encoder" / "config.json")
+    params = dict(iter_params(encoder))
+    for key, value in expected.items():
+        np.testing.assert_array_equal(np.asarray(params[key]), value, err_msg=key)
+    ids = jnp.asarray([[1, 5, 9, 12]])
+    args = (ids, jnp.ones_like(ids, bool), jnp.arange(4)[None], (1, 4))
+    assert relative_l2(encoder(*args), pipe.text_encoder(*args)) < 0.08  # FP8 rounding of every matrix: 0.058
