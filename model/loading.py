@@ -323,8 +323,8 @@ def dequantize_comfy(checkpoint: Checkpoint) -> Checkpoint:
 
 def open_checkpoint(path: Path, weights_name: str) -> Checkpoint:
     """Open `path`: a single `.safetensors` or `.gguf` file (`gguf_checkpoint`), or a folder holding
-    `{weights_name}.safetensors` or the shards named by `{weights_name}.safetensors.index.json`. PyTorch pickles
-    (`.bin`, `.pt`, `.pth`, `.ckpt`) are refused by name: they are never read."""
+    `{weights_name}.safetensors`, the shards named by `{weights_name}.safetensors.index.json` or one `.gguf` file.
+    PyTorch pickles (`.bin`, `.pt`, `.pth`, `.ckpt`) are refused by name: they are never read."""
     path = Path(path)
     if path.is_file() and path.suffix.lower() == ".gguf":
         from .gguf_checkpoint import GGUFCheckpoint
@@ -351,6 +351,14 @@ def open_checkpoint(path: Path, weights_name: str) -> Checkpoint:
         if misplaced:
             raise CheckpointError(f"{index}: keys not found in the shard it names: {_listing(misplaced)}")
         return checkpoint
+    ggufs = sorted(f for f in path.iterdir() if f.is_file() and f.suffix.lower() == ".gguf")
+    if len(ggufs) == 1:  # a GGUF file in place of the safetensors (the folder's config.json gives the sizes)
+        from .gguf_checkpoint import GGUFCheckpoint
+
+        return GGUFCheckpoint(ggufs[0])
+    if ggufs:
+        raise CheckpointError(f"{path}: several GGUF files ({', '.join(f.name for f in ggufs)}); keep one, or give the "
+                              "file itself")
     pickles = sorted(f for f in path.iterdir() if f.is_file() and f.suffix.lower() in PICKLE_SUFFIXES)
     if pickles:  # e.g. diffusion_pytorch_model.bin, pytorch_model-00001-of-00002.bin
         preferred = [f for f in pickles if f.name.startswith(weights_name) or f.name.startswith("pytorch_model")]

@@ -197,3 +197,22 @@ def test_fusing_a_lora_into_a_base_that_is_quantized_next_warns_with_the_loss():
         warnings.simplefilter("error", FusedLoraWarning)
         build_pipeline(folder, InferenceOptions(dtype="float32", loras=(lora,), fuse_loras=True))  # bf16: none
         build_pipeline(folder, InferenceOptions(dtype="float32", precision="int8", loras=(lora,)))  # run time: none
+
+
+def test_a_gguf_file_in_place_of_the_folders_safetensors(tmp_path):
+    """A diffusers transformer/ folder whose weights are one GGUF file (its config.json gives the sizes) loads as
+    that file does; two GGUF files are named rather than guessed between."""
+    import shutil
+
+    folder = tmp_path / "transformer"
+    folder.mkdir()
+    shutil.copy(FIXTURES / "krea2" / "tiny" / "config.json", folder)
+    shutil.copy(GGUF / "krea2_q4_0.gguf", folder)
+    from_folder = dict(iter_params(Krea2Transformer.from_pretrained(folder, jnp.float32)))
+    from_file = dict(iter_params(Krea2Transformer.from_pretrained(GGUF / "krea2_q4_0.gguf", jnp.float32,
+                                                                  config=KREA2_TINY)))
+    for key, value in from_file.items():
+        np.testing.assert_array_equal(np.asarray(from_folder[key]), np.asarray(value), err_msg=key)
+    shutil.copy(GGUF / "krea2_q8_0.gguf", folder)
+    with pytest.raises(CheckpointError, match="several GGUF files \\(krea2_q4_0.gguf, krea2_q8_0.gguf\\)"):
+        Krea2Transformer.from_pretrained(folder, jnp.float32)
