@@ -42,7 +42,7 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--transformer", type=Path, default=None, metavar="FILE",
                         help="the transformer's weights from this single file instead of --model's transformer/ "
                              "folder: .safetensors (diffusers' or the original release's key names, ComfyUI's "
-                             "FP8-scaled, MXFP8 and NVFP4 files) or .gguf (Q8_0, Q4_0, K-quants...), dequantized as read, then "
+                             "FP8-scaled, MXFP8, NVFP4 and INT8/ConvRot files) or .gguf (Q8_0, Q4_0, K-quants...), dequantized as read, then "
                              "in --precision")
     parser.add_argument("--attention", choices=[a.value for a in AttentionKernel], default=None,
                         help="the attention kernel (default cuDNN on a GPU, XLA elsewhere; int8: INT8-QK, Triton "

@@ -260,14 +260,43 @@ def unswizzle_e8m0(blocked: np.ndarray, rows: int, cols: int) -> np.ndarray:
     return x.reshape(padded_rows, padded_cols)[:rows, :cols]
 
 
-def _comfy_format(checkpoint: Checkpoint, layer: str, scale_key: str) -> str:
+def _comfy_config(checkpoint: Checkpoint, layer: str) -> dict:
+    """A quantized layer's `.comfy_quant` record ({"format": ..., and the format's options})."""
     record = layer + ".comfy_quant"
     if record in set(checkpoint.keys()):
-        return json.loads(bytes(np.asarray(checkpoint.get(record), np.uint8)).decode())["format"]
-    return "float8_e4m3fn"  # the older naming (scale_weight, scaled_fp8 marker) knew only per-tensor FP8
+        return json.loads(bytes(np.asarray(checkpoint.get(record), np.uint8)).decode())
+    return {"format": "float8_e4m3fn"}  # the older naming (scale_weight, scaled_fp8 marker) knew only per-tensor FP8
 
 
-def _dequantizer(checkpoint: Checkpoint, weight: str, scale_key: str, fmt: str):
+def regular_hadamard(size: int) -> np.ndarray:
+    """ConvRot's rotation: the orthonormal Hadamard matrix of Kronecker powers of the regular 4x4 one (every row
+    sums to the same value), for `size` a power of 4; symmetric, so its own inverse. float32."""
+    if size < 4 or size & (size - 1) or (size.bit_length() - 1) % 2:
+        raise ValueError(f"ConvRot group size {size}: must be a power of 4 (4, 16, 64, 256, ...)")
+    h4 = np.array([[1, 1, 1, -1], [1, 1, -1, 1], [1, -1, 1, 1], [-1, 1, 1, 1]], np.float32)
+    h = h4
+    while h.shape[0] < size:
+        h = np.kron(h, h4)
+    return h / np.float32(np.sqrt(size))
+
+
+def _dequantizer(checkpoint: Checkpoint, weight: str, scale_key: str, config: dict):
+    fmt = config.get("format")
+    if fmt == "int8_tensorwise":  # one scale a tensor or a row; with "convrot", rows rotated in groups along K
+        group = int(config.get("convrot_groupsize", 256)) if config.get("convrot") else 0
+        try:
+            rotation = regular_hadamard(group) if group else None
+        except ValueError as e:
+            raise CheckpointError(f"{checkpoint.files[0]}: {weight}: {e}") from None
+
+        def dequantize(a):
+            scale = np.asarray(checkpoint.get(scale_key), np.float32)
+            w = a.astype(np.float32) * (scale.reshape(-1, 1) if scale.size > 1 else scale.reshape(()))
+            if rotation is None:
+                return w
+            rows, cols = w.shape
+            return (w.reshape(rows, cols // group, group) @ rotation).reshape(rows, cols)
+        return dequantize
     if fmt in ("float8_e4m3fn", "float8_e5m2"):
         scale = np.float32(np.asarray(checkpoint.get(scale_key), np.float32).reshape(-1)[0])
         return lambda a: a.astype(np.float32) * scale
@@ -300,7 +329,9 @@ def dequantize_comfy(checkpoint: Checkpoint) -> Checkpoint:
     per-tensor `L.weight_scale`, or the older `L.scale_weight` with the `scaled_fp8` marker), MXFP8 (`L.weight`
     E4M3 with E8M0 block scales in cuBLAS's swizzled layout, `L.comfy_quant` = {"format": "mxfp8"}) and NVFP4
     (`L.weight` packed E2M1 with E4M3 scales per 16 swizzled alike and `L.weight_scale_2` a tensor scale;
-    {"format": "nvfp4"}). Scales, format records, activation scales and the marker are consumed; other checkpoints
+    {"format": "nvfp4"}) and INT8 ({"format": "int8_tensorwise"}: one float32 scale a tensor or a row; with
+    "convrot", the rows were rotated in groups of "convrot_groupsize" by `regular_hadamard`, which undoes it; ConvRot
+    INT8). Scales, format records, activation scales and the marker are consumed; other checkpoints
     pass unchanged. Tensors ComfyUI padded (MXFP8 to multiples of 32, NVFP4 of 16) keep the padded shape (Krea 2's
     and FLUX's are all multiples)."""
     keys = checkpoint.keys()
@@ -311,11 +342,11 @@ def dequantize_comfy(checkpoint: Checkpoint) -> Checkpoint:
     for weight, scale_key in scales.items():
         if weight not in present:
             raise CheckpointError(f"{checkpoint.files[0]}: scale {scale_key!r} has no weight {weight!r}")
-        fmt = _comfy_format(checkpoint, weight[: -len(".weight")], scale_key)
+        config = _comfy_config(checkpoint, weight[: -len(".weight")])
         shape = checkpoint.shape(weight)
-        if fmt == "nvfp4":  # two codes a byte
+        if config.get("format") == "nvfp4":  # two codes a byte
             shape = (*shape[:-1], 2 * shape[-1])
-        derived[weight] = (weight, _dequantizer(checkpoint, weight, scale_key, fmt), shape)
+        derived[weight] = (weight, _dequantizer(checkpoint, weight, scale_key, config), shape)
     consumed = set(scales.values()) | {"scaled_fp8"}
     passthrough = [k for k in keys if k not in derived and k not in consumed and not k.endswith(_COMFY_EXTRA)]
     return DerivedCheckpoint(checkpoint, derived, passthrough)

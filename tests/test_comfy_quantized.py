@@ -150,6 +150,52 @@ def test_nvfp4_file_loads_as_dequantized_weights(tmp_path):
         assert relative_l2(value, before[key]) < 0.12, key  # what they stand for, to 4 bits (measured 0.094-0.099)
 
 
+@pytest.mark.parametrize("convrot", [True, False])
+def test_convrot_int8_file_loads_as_dequantized_weights(tmp_path, convrot):
+    """ComfyUI's INT8 (`int8_tensorwise`, comfy-kitchen's rules written out): with ConvRot each row rotated in groups
+    of 16 along K by the regular Hadamard (Kronecker powers of the 4x4 one whose rows all sum to 2, normalized), then
+    INT8 with a float32 scale per row (absmax / 127); without it, one scale for the tensor. Loaded, the rotation is
+    undone: the weights they stand for to float32 rounding, and to INT8's precision the originals."""
+    h4 = np.array([[1, 1, 1, -1], [1, 1, -1, 1], [1, -1, 1, 1], [-1, 1, 1, 1]], np.float64)
+    hadamard = np.kron(h4, h4) / 4  # 16 x 16, orthonormal and symmetric
+    tensors = load_file(str(TINY / "tiny_original.safetensors"))
+    expected, before = {}, {}
+    for key in list(tensors):
+        w = tensors[key]
+        if not (key.startswith("model.diffusion_model.blocks.") and key.endswith(".weight") and w.ndim == 2
+                and w.shape[1] % 16 == 0):
+            continue
+        rows, cols = w.shape
+        rotated = (w.reshape(rows, -1, 16) @ hadamard).reshape(rows, cols) if convrot else w.astype(np.float64)
+        amax = np.abs(rotated).max(axis=1, keepdims=True) if convrot else np.abs(rotated).max()
+        scale = (amax / 127).astype(np.float32)
+        codes = np.clip(np.round(rotated / scale), -127, 127).astype(np.int8)
+        layer = key[: -len(".weight")]
+        tensors[key] = codes
+        tensors[layer + ".weight_scale"] = np.asarray(scale, np.float32)
+        record = {"format": "int8_tensorwise", **({"convrot": True, "convrot_groupsize": 16} if convrot else {})}
+        tensors[layer + ".comfy_quant"] = np.frombuffer(json.dumps(record).encode(), np.uint8)
+        values = codes.astype(np.float64) * scale
+        if convrot:
+            values = (values.reshape(rows, -1, 16) @ hadamard).reshape(rows, cols)
+        expected[original_key_to_diffusers(key)] = values
+        before[original_key_to_diffusers(key)] = w
+    file = tmp_path / "krea2_int8.safetensors"
+    save_safetensors(tensors, file)
+    model = Krea2Transformer.from_pretrained(file, jnp.float32, config=TINY / "tiny" / "config.json")
+    params = dict(iter_params(model))
+    assert len(expected) == 16
+    for key, value in expected.items():
+        np.testing.assert_allclose(np.asarray(params[key]), value, rtol=0, atol=4e-7 * np.abs(value).max(),
+                                   err_msg=key)  # float32 sums of the rotation: measured 1.8e-7 of the largest
+        assert relative_l2(params[key], before[key]) < 0.02, key  # INT8 of the (rotated) rows: measured 0.006-0.010
+    tensors[layer + ".comfy_quant"] = np.frombuffer(json.dumps({**record, "convrot_groupsize": 32}).encode(), np.uint8)
+    if convrot:
+        save_safetensors(tensors, file)
+        with pytest.raises(CheckpointError, match="ConvRot group size 32: must be a power of 4"):
+            Krea2Transformer.from_pretrained(file, jnp.float32, config=TINY / "tiny" / "config.json")
+
+
 def test_unknown_comfy_format_is_named(tmp_path):
     tensors = load_file(str(TINY / "tiny_original.safetensors"))
     key = "model.diffusion_model.blocks.0.attn.wq"
