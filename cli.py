@@ -42,8 +42,8 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--transformer", type=Path, default=None, metavar="FILE",
                         help="the transformer's weights from this single file instead of --model's transformer/ "
                              "folder: .safetensors (diffusers' or the original release's key names, ComfyUI's "
-                             "FP8-scaled, MXFP8, NVFP4 and INT8/ConvRot files) or .gguf (Q8_0, Q4_0, K-quants...), dequantized as read, then "
-                             "in --precision")
+                             "FP8-scaled, MXFP8, NVFP4 and INT8/ConvRot files) or .gguf (Q8_0, Q4_0, K-quants...), "
+                             "dequantized as read, then in --precision")
     parser.add_argument("--attention", choices=[a.value for a in AttentionKernel], default=None,
                         help="the attention kernel (default cuDNN on a GPU, XLA elsewhere; int8: INT8-QK, Triton "
                              "lowering; int8_mosaic: INT8-QK, Hopper; _fp8: with P.V in FP8, faster, less exact)")
@@ -92,10 +92,9 @@ def check_model_arguments(parser: argparse.ArgumentParser, args: argparse.Namesp
             parser.error(TRANSFORMER_NEEDS_MODEL)
         if not args.transformer.is_file():
             parser.error(f"--transformer {args.transformer}: no such file")
-        if args.quantized is not None:
-            parser.error("--transformer with --quantized: both name the transformer's weights; give one")
     error = options_error(precision=args.precision, quantized=args.quantized is not None, sharded=args.mesh is not None,
-                          offload=args.offload, prefetch=args.prefetch, fuse_loras=args.fuse_lora)
+                          offload=args.offload, prefetch=args.prefetch, fuse_loras=args.fuse_lora,
+                          transformer=args.transformer is not None)
     if error is not None:
         parser.error(error)
     # The dry run returns zeros only from programs the store serves, and those run on one device.

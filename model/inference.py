@@ -29,9 +29,12 @@ TRANSFORMER_NEEDS_MODEL = ("--transformer needs --model (the folder with the oth
 
 
 def options_error(*, precision: Precision | str, quantized: bool, sharded: bool, offload: int | None, prefetch: int,
-                  fuse_loras: bool) -> str | None:
+                  fuse_loras: bool, transformer: bool = False) -> str | None:
     """What is wrong with these options together, as one line naming generate.py's flags, or None when they go
-    together. `quantized`: a quantized checkpoint is read; `sharded`: a device mesh is used."""
+    together. `quantized`: a quantized checkpoint is read; `transformer`: a single transformer file; `sharded`: a
+    device mesh is used."""
+    if quantized and transformer:
+        return "--transformer with --quantized: both name the transformer's weights; give one"
     if quantized:
         for given, name in ((precision != Precision.BF16, "--precision"), (sharded, "--mesh"),
                             (fuse_loras, "--fuse-lora")):
@@ -98,11 +101,9 @@ class InferenceOptions:
             object.__setattr__(self, "quantized", Path(self.quantized))
         if self.transformer is not None:
             object.__setattr__(self, "transformer", Path(self.transformer))
-            if self.quantized is not None:
-                raise ValueError("--transformer with --quantized: both name the transformer's weights; give one")
         error = options_error(precision=self.precision, quantized=self.quantized is not None,
                               sharded=self.mesh is not None, offload=self.offload, prefetch=self.prefetch,
-                              fuse_loras=self.fuse_loras)
+                              fuse_loras=self.fuse_loras, transformer=self.transformer is not None)
         if error is not None:
             raise ValueError(error)
         if self.swap_loras and self.fuse_loras:
@@ -215,11 +216,12 @@ def prepare_pipeline(pipe: Krea2Pipeline | FluxPipeline, options: InferenceOptio
         slots = lora_slots(pipe.transformer, {path.stem: path for path, _ in options.loras})
         slots.set_weights({path.stem: weight for path, weight in options.loras})
     elif options.loras:
-        from .lora_files import apply_loras
+        from .lora_files import apply_loras, read_lora
 
-        apply_loras(pipe.transformer, options.loras, fuse=options.fuse_loras)
+        loras = [(read_lora(path, pipe.transformer), weight) for path, weight in options.loras]  # read once
+        apply_loras(pipe.transformer, loras, fuse=options.fuse_loras)
         if options.fuse_loras and options.precision.weight_format is not None:
-            _warn_of_fused_loss(pipe, options)
+            _warn_of_fused_loss(pipe.transformer, loras, options.precision)
     # Quantized here for the demo, or after fusing LoRAs (the fused weights are what gets quantized); Q/K/V(/gate,
     # /MLP) and gate/up as one product each (not the layers with run-time LoRAs).
     stack = options.stack and options.mesh is None
@@ -249,21 +251,18 @@ def prepare_pipeline(pipe: Krea2Pipeline | FluxPipeline, options: InferenceOptio
 FUSED_LOSS_WARNING = 0.05  # warn when re-quantizing fused weights loses more of the LoRAs' update than this
 
 
-def _warn_of_fused_loss(pipe: Krea2Pipeline | FluxPipeline, options: InferenceOptions) -> None:
+def _warn_of_fused_loss(transformer, loras, precision: Precision) -> None:
     """LoRAs fused into weights that are quantized next lose the part of their update that the format's rounding of
     the sum swallows (`lora_files.fused_update_loss`); say how much where that is more than FUSED_LOSS_WARNING."""
     import warnings
 
-    from mxdit.quant.model import flux_rules, krea2_rules
+    from mxdit.quant.model import any_family_rules
 
     from .lora_files import fused_update_loss
-    from .pipeline_flux import FluxPipeline
 
-    fmt = options.precision.weight_format
-    loss = fused_update_loss(pipe.transformer, options.loras, (flux_rules if isinstance(pipe, FluxPipeline)
-                                                                  else krea2_rules)(fmt))
+    loss = fused_update_loss(transformer, loras, any_family_rules(precision.weight_format))
     if loss > FUSED_LOSS_WARNING:
-        warnings.warn(f"--fuse-lora with --precision {options.precision.value}: quantizing the fused weights errs by "
+        warnings.warn(f"--fuse-lora with --precision {precision.value}: quantizing the fused weights errs by "
                       f"{loss:.0%} of the LoRAs' update (relative L2); without --fuse-lora they run exactly, after "
                       "the product", FusedLoraWarning, stacklevel=3)
 
@@ -290,11 +289,9 @@ def _load(model: str | Path | None, options: InferenceOptions, dtype) -> Krea2Pi
     places = []  # applied to each tensor as it is read
     if options.quantized is None and options.precision is not Precision.BF16 and not options.fuse_loras:
         # quantized as read: never all in bf16 on the device
-        from mxdit.quant.model import flux_rules, krea2_rules, quantize_on_load
+        from mxdit.quant.model import any_family_rules, quantize_on_load
 
-        fmt = options.precision.weight_format
-        # Both families' rules: each selects only its own blocks' matrices (the text encoders' keys match neither).
-        places.append(quantize_on_load(krea2_rules(fmt) + flux_rules(fmt)))
+        places.append(quantize_on_load(any_family_rules(options.precision.weight_format)))
     if options.offload is not None:  # the streamed blocks go straight to host memory (after quantizing)
         from .offload import streamed_placement_for_folder
 

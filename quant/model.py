@@ -57,6 +57,12 @@ def flux_rules(fmt: str) -> list[tuple[str, str | None]]:
     ]
 
 
+def any_family_rules(fmt: str) -> list[tuple[str, str | None]]:
+    """Krea 2's and FLUX.1's rules together: each selects only its own blocks' matrices (the text encoders' keys match
+    neither), so a loader can quantize as it reads before it knows the family, and any transformer takes them."""
+    return krea2_rules(fmt) + flux_rules(fmt)
+
+
 def format_for(key: str, shape: tuple[int, ...], rules: Rules) -> str | None:
     """The format `rules` give the parameter `key` (None: kept as it is)."""
     for pattern, fmt in rules:

@@ -155,10 +155,9 @@ def main(argv=None) -> int:
         else:
             places = []
             if args.quantize_base:  # quantized as read: the device never holds the base in bf16
-                from mxdit.quant.model import flux_rules, krea2_rules, quantize_on_load
+                from mxdit.quant.model import any_family_rules, quantize_on_load
 
-                # Both families' rules: each selects only its own blocks' matrices (the encoders' keys match neither).
-                places.append(quantize_on_load(krea2_rules(args.quantize_base) + flux_rules(args.quantize_base)))
+                places.append(quantize_on_load(any_family_rules(args.quantize_base)))
             with place_parameters(*places):
                 pipe = load_pipeline(args.model, dtype)
             tag = str(args.model.resolve())

@@ -216,3 +216,13 @@ def test_a_gguf_file_in_place_of_the_folders_safetensors(tmp_path):
     shutil.copy(GGUF / "krea2_q8_0.gguf", folder)
     with pytest.raises(CheckpointError, match="several GGUF files \\(krea2_q4_0.gguf, krea2_q8_0.gguf\\)"):
         Krea2Transformer.from_pretrained(folder, jnp.float32)
+
+
+def test_a_transformer_file_and_a_quantized_checkpoint_are_not_given_together():
+    from mxdit.model.inference import InferenceOptions, options_error
+
+    message = "--transformer with --quantized: both name the transformer's weights; give one"
+    with pytest.raises(ValueError, match=message):
+        InferenceOptions(quantized="q.safetensors", transformer="t.gguf")
+    assert options_error(precision="bf16", quantized=True, sharded=False, offload=None, prefetch=2, fuse_loras=False,
+                         transformer=True) == message
