@@ -18,6 +18,7 @@ from .pipeline_flux import FluxPipeline
 from .pipeline_krea2 import Krea2Pipeline
 
 PIPELINES = {"Krea2Pipeline": Krea2Pipeline, "FluxPipeline": FluxPipeline}
+TRANSFORMERS = {"Krea2Pipeline": (Krea2Transformer, Krea2Config), "FluxPipeline": (FluxTransformer, FluxConfig)}
 
 
 def load_pipeline(folder: str | Path, dtype: jnp.dtype = jnp.bfloat16, *,
@@ -38,15 +39,14 @@ def load_pipeline(folder: str | Path, dtype: jnp.dtype = jnp.bfloat16, *,
     if name not in PIPELINES:
         raise CheckpointError(f"{index}: pipeline {name!r} is not supported (supported: {', '.join(PIPELINES)})")
     transformer = None
+    model_cls, config_cls = TRANSFORMERS[name]
+    config_file = folder / "transformer" / "config.json"
     if quantized_transformer is not None:
-        family = {"Krea2Pipeline": (Krea2Transformer, Krea2Config), "FluxPipeline": (FluxTransformer, FluxConfig)}
-        model_cls, config_cls = family[name]
-        config = config_cls.from_json(folder / "transformer" / "config.json")
+        config = config_cls.from_json(config_file)
         transformer = load_quantized_model(lambda: model_cls(config, dtype=dtype, rngs=nnx.Rngs(0)),
                                            quantized_transformer)
     elif transformer_file is not None:
-        model_cls = {"Krea2Pipeline": Krea2Transformer, "FluxPipeline": FluxTransformer}[name]
-        transformer = model_cls.from_pretrained(transformer_file, dtype, config=folder / "transformer" / "config.json")
+        transformer = model_cls.from_pretrained(transformer_file, dtype, config=config_file)
     return PIPELINES[name].from_pretrained(folder, dtype, transformer=transformer)
 
 
