@@ -8,7 +8,8 @@ import dataclasses
 import statistics
 import time
 
-from .inputs import QWEN3VL_4B_TEXT, flux_flops, flux_inputs, krea2_config, krea2_flops, krea2_inputs
+from .inputs import (QWEN3VL_4B_TEXT, flux_flops, flux_inputs, krea2_config, krea2_flops, krea2_inputs,
+                     lora_step_config)
 from .rows import emit, error_text
 from .timing import torch_timed
 
@@ -376,22 +377,14 @@ def diffusers_lora_step(args) -> list[dict]:
 def _krea2_lora_model(args, device: str):
     """diffusers' Krea 2 transformer (full size, --num-layers blocks, or --tiny) on `device`, its step's inputs and
     our LoRA targets."""
-    from mxdit.model.krea2 import Krea2Config
     from mxdit.training.lora import KREA2_ATTENTION_AND_MLP
 
-    from .inputs import TINY_KREA2
-
-    cfg = Krea2Config(**TINY_KREA2) if args.tiny else krea2_config(args)
+    cfg = lora_step_config(args)
     return _krea2_transformer(cfg, device), _krea2_step_inputs(cfg, args, device), KREA2_ATTENTION_AND_MLP
 
 
 def _flux_lora_model(args, device: str):
     """`_krea2_lora_model` for FLUX.1-dev."""
-    from mxdit.model.flux import FluxConfig
     from mxdit.training.lora import FLUX_ATTENTION_AND_MLP
 
-    from .inputs import TINY_FLUX
-
-    layers = {} if args.num_layers is None else dict(num_layers=args.num_layers, num_single_layers=2 * args.num_layers)
-    cfg = FluxConfig(**TINY_FLUX) if args.tiny else FluxConfig(**layers)
-    return (*_flux_transformer_and_inputs(cfg, args, device), FLUX_ATTENTION_AND_MLP)
+    return (*_flux_transformer_and_inputs(lora_step_config(args), args, device), FLUX_ATTENTION_AND_MLP)

@@ -29,6 +29,22 @@ def krea2_config(args):
     return dataclasses.replace(cfg, num_layers=args.num_layers) if args.num_layers else cfg
 
 
+def lora_step_config(args):
+    """The `args.family` ("krea2" | "flux") transformer's configuration a LoRA step runs: the tiny one with --tiny,
+    else the released one with --num-layers blocks if given (FLUX.1: that many double and twice as many single)."""
+    if args.family == "flux":
+        from mxdit.model.flux import FluxConfig
+
+        if args.tiny:
+            return FluxConfig(**TINY_FLUX)
+        if args.num_layers is None:
+            return FluxConfig()
+        return FluxConfig(num_layers=args.num_layers, num_single_layers=2 * args.num_layers)
+    from mxdit.model.krea2 import Krea2Config
+
+    return Krea2Config(**TINY_KREA2) if args.tiny else krea2_config(args)
+
+
 def krea2_inputs(cfg, height: int, width: int, text_len: int, valid_text: int, batch: int = 1, seed: int = 0):
     """Random inputs of the pipeline's shapes, as numpy (float32 / bool): latents, text, timestep, position ids
     (text, then image) and the text mask (`valid_text` real tokens first)."""

@@ -8,7 +8,7 @@ import time
 
 import numpy as np
 
-from .inputs import TINY_FLUX, TINY_KREA2, flux_inputs, krea2_config, krea2_inputs, random_model
+from .inputs import flux_inputs, krea2_inputs, lora_step_config, random_model
 from .rows import emit, error_text, flags, subprocess_rows, write_json
 from .timing import jax_peak_gb, memory_fraction
 
@@ -56,23 +56,20 @@ def _model_and_batch(args):
 
     from mxdit.quant.model import quantize_on_load
 
+    cfg = lora_step_config(args)
     if args.family == "flux":
-        from mxdit.model.flux import FluxConfig, FluxTransformer
+        from mxdit.model.flux import FluxTransformer
         from mxdit.quant.model import flux_rules as rules
 
-        layers = {} if args.num_layers is None else dict(num_layers=args.num_layers,
-                                                         num_single_layers=2 * args.num_layers)
-        cfg = FluxConfig(**TINY_FLUX) if args.tiny else FluxConfig(**layers)
         model_cls = FluxTransformer
         hidden, text, pooled, img_ids, txt_ids = flux_inputs(cfg, args.height, args.width, args.text_len)
         batch = {"latents": jnp.asarray(hidden)[None], "embeds": jnp.asarray(text, jnp.bfloat16)[None],
                  "mask": jnp.ones((1, 1, args.text_len), bool), "pooled": jnp.asarray(pooled, jnp.bfloat16)[None],
                  "position_ids": jnp.asarray(np.concatenate([txt_ids, img_ids]))}
     else:
-        from mxdit.model.krea2 import Krea2Config, Krea2Transformer
+        from mxdit.model.krea2 import Krea2Transformer
         from mxdit.quant.model import krea2_rules as rules
 
-        cfg = Krea2Config(**TINY_KREA2) if args.tiny else krea2_config(args)
         model_cls = Krea2Transformer
         hidden, text, _, position_ids, mask = krea2_inputs(cfg, args.height, args.width, args.text_len,
                                                            args.valid_text)
