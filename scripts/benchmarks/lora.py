@@ -9,7 +9,7 @@ import time
 import numpy as np
 
 from .inputs import flux_inputs, krea2_inputs, lora_step_config, random_model
-from .rows import emit, error_text, flags, subprocess_rows, write_json
+from .rows import emit, error_text, flags, progress, subprocess_rows, write_json
 from .timing import jax_peak_gb, memory_fraction
 
 
@@ -76,7 +76,8 @@ def _model_and_batch(args):
         batch = {"latents": jnp.asarray(hidden)[None], "embeds": jnp.asarray(text, jnp.bfloat16)[None],
                  "mask": jnp.asarray(mask)[None], "position_ids": jnp.asarray(position_ids)}
     place = quantize_on_load(rules(args.quantize_base)) if args.quantize_base else None
-    return random_model(lambda: model_cls(cfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(0)), place), batch
+    return random_model(lambda: model_cls(cfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(0)), place,
+                        limit_gb=args.memory_cap_gb), batch
 
 
 def jax_lora_step(args) -> list[dict]:
@@ -90,7 +91,14 @@ def jax_lora_step(args) -> list[dict]:
     from mxdit.training.lora import LoraConfig, add_lora
     from mxdit.training.train import REMAT_POLICIES, TrainConfig, jit_train_step, make_optimizer
 
-    model, batch = _model_and_batch(args)
+    start = time.perf_counter()
+    try:
+        model, batch = _model_and_batch(args)
+    except MemoryError as e:  # a base that cannot fit the cap is a result too
+        return [emit({"name": _row_name(args), "error": error_text(e), "peak_gb": jax_peak_gb()})]
+    jax.block_until_ready(nnx.state(model))
+    build_s = time.perf_counter() - start
+    progress(f"model built in {build_s:.1f} s")
     names = add_lora(model, LoraConfig(rank=args.rank, alpha=float(args.rank)))
     model.remat_policy = REMAT_POLICIES[args.remat]
     config = TrainConfig(steps=10_000, remat=args.remat)
@@ -99,14 +107,12 @@ def jax_lora_step(args) -> list[dict]:
     opt_state = make_optimizer(config).init(lora)
     lora, opt_state = jax.device_put((lora, opt_state), jax.devices()[0])
     key = jax.random.key(0)
-    row = {"name": f"jax {args.family} LoRA step bf16, rank {args.rank}, {len(names)} adapters, remat {args.remat}"
-                   + (f", base {args.quantize_base}" if args.quantize_base else "")
-                   + (f", capped at {args.memory_cap_gb:g} GB" if args.memory_cap_gb else ""),
-           "lora_params": sum(int(x.size) for x in jax.tree.leaves(lora))}
+    row = {"name": _row_name(args, len(names)), "lora_params": sum(int(x.size) for x in jax.tree.leaves(lora)), "build_s": build_s}
     try:
         t0 = time.perf_counter()
         compiled = jit_train_step.lower(graphdef, config, frozen, lora, opt_state, batch, key).compile()
         row["compile_s"] = time.perf_counter() - t0
+        progress(f"compiled in {row['compile_s']:.1f} s")
         mem = compiled.memory_analysis()
         if mem is not None:  # the program's own footprint: arguments (weights, state, batch), temporaries, outputs
             row["temp_gb"] = mem.temp_size_in_bytes / 1e9
@@ -120,6 +126,7 @@ def jax_lora_step(args) -> list[dict]:
                 lora, opt_state, metrics = compiled(frozen, lora, opt_state, batch, jax.random.fold_in(key, i))
             jax.block_until_ready((lora, metrics))
             times.append((time.perf_counter() - t0) / args.iters)
+            progress(f"{times[-1]:.4f} s a step")
         row["s_per_step"] = statistics.median(times)
         row["spread"] = (max(times) - min(times)) / row["s_per_step"]
         row["loss"] = float(metrics["loss"])
@@ -127,3 +134,10 @@ def jax_lora_step(args) -> list[dict]:
         row["error"] = error_text(e)
     row["peak_gb"] = jax_peak_gb()
     return [emit(row)]
+
+
+def _row_name(args, adapters: int | None = None) -> str:
+    return (f"jax {args.family} LoRA step bf16, rank {args.rank}, "
+            + (f"{adapters} adapters, " if adapters is not None else "") + f"remat {args.remat}"
+            + (f", base {args.quantize_base}" if args.quantize_base else "")
+            + (f", capped at {args.memory_cap_gb:g} GB" if args.memory_cap_gb else ""))

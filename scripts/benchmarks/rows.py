@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 CLI = Path(__file__).resolve().parents[1] / "benchmark.py"
@@ -23,18 +24,28 @@ def emit(row: dict) -> dict:
     return row
 
 
+def progress(message: str) -> None:
+    """A phase of a subprocess's work, on standard error (the log beside --json's file), as it happens."""
+    print(message, file=sys.stderr, flush=True)
+
+
 def subprocess_rows(args, command: str, forwarded: list[str], env: dict | None = None) -> list[dict]:
     """Run part of a benchmark as `benchmark.py command *forwarded` in a subprocess (so that frameworks and models
     never share GPU memory); its result rows. `env`: variables added to the subprocess's environment. With --json,
-    its standard error goes to a log beside the file."""
-    proc = subprocess.run([sys.executable, str(CLI), command, *forwarded], capture_output=True, text=True,
-                          env={**os.environ, **(env or {})})
+    its standard error goes to a log beside the file as it is written (what a variant that never ends did last)."""
+    env = {**os.environ, **(env or {})}
+    log_file = Path(args.json).with_suffix(f".{command}.log").open("a+") if args.json else tempfile.TemporaryFile("w+")
+    with log_file as log:
+        log.write(f"$ {command} {' '.join(forwarded)}\n")
+        log.flush()
+        start = log.tell()
+        proc = subprocess.run([sys.executable, str(CLI), command, *forwarded], stdout=subprocess.PIPE, stderr=log,
+                              text=True, env=env)
+        log.seek(start)
+        stderr = log.read()
     rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
-    if args.json:
-        with Path(args.json).with_suffix(f".{command}.log").open("a") as log:
-            log.write(f"$ {command} {' '.join(forwarded)}\n{proc.stderr}\n")
     if proc.returncode:
-        tail = " | ".join(proc.stderr.strip().splitlines()[-3:])[-600:] if proc.stderr else "failed"
+        tail = " | ".join(stderr.strip().splitlines()[-3:])[-600:] if stderr else "failed"
         rows.append({"name": command, "error": f"exit {proc.returncode}: {tail}"})
     return rows
 
