@@ -8,7 +8,6 @@ the original single-file layout (`flux1-dev.safetensors`), whose fused QKV tenso
 from __future__ import annotations
 
 import dataclasses
-import math
 from pathlib import Path
 
 import jax
@@ -20,7 +19,7 @@ from mxdit.ops.attention import AttentionFn, apply_rotary, attention, attention_
 from mxdit.ops.linear import FP8Activations, fp8_input_backend, fused_fp8_producer
 from mxdit.ops.names import AttentionKernel
 
-from .layers import Linear, remat_call, rotary_tables, stacked_linear
+from .layers import Linear, MLPEmbedder, NoParams, remat_call, rotary_tables, stacked_linear, timestep_sinusoids
 from .loading import (Checkpoint, CheckpointError, DerivedCheckpoint, KeyMap, config_from_dict, load_state,
                       open_checkpoint, read_json)
 
@@ -84,25 +83,6 @@ def _rounded(x: jax.Array, dtype) -> jax.Array:
     the float32 value (excess precision), and then bfloat16 FLUX sees another timestep than diffusers'."""
     info = jnp.finfo(dtype)
     return jax.lax.reduce_precision(jnp.asarray(x, jnp.float32), exponent_bits=info.nexp, mantissa_bits=info.nmant)
-
-
-def timestep_sinusoids(t: jax.Array, dim: int = 256, max_period: float = 10000.0) -> jax.Array:
-    """diffusers' `Timesteps(dim, flip_sin_to_cos=True, downscale_freq_shift=0)`: [cos, sin] of t * freqs, float32."""
-    half = dim // 2
-    freqs = jnp.exp(-math.log(max_period) * jnp.arange(half, dtype=jnp.float32) / half)
-    args = t.astype(jnp.float32)[:, None] * freqs[None]
-    return jnp.concatenate([jnp.cos(args), jnp.sin(args)], axis=-1)
-
-
-class MLPEmbedder(nnx.Module):
-    """linear_1 -> SiLU -> linear_2 (diffusers' TimestepEmbedding and PixArtAlphaTextProjection with act silu)."""
-
-    def __init__(self, in_dim: int, dim: int, *, dtype, rngs):
-        self.linear_1 = Linear(in_dim, dim, bias=True, dtype=dtype, rngs=rngs)
-        self.linear_2 = Linear(dim, dim, bias=True, dtype=dtype, rngs=rngs)
-
-    def __call__(self, x):
-        return self.linear_2(jax.nn.silu(self.linear_1(x)))
 
 
 class TimeTextEmbedding(nnx.Module):
@@ -215,13 +195,6 @@ class GELUProj(nnx.Module):
 
     def __call__(self, x):
         return self.proj.activated(x, "gelu_tanh")  # in the GEMM's epilogue with kernel weights
-
-
-class NoParams(nnx.Module):
-    """Stands where diffusers keeps a parameterless module (a Dropout) in a list, so indices match its keys."""
-
-    def __call__(self, x):
-        return x
 
 
 class FeedForward(nnx.Module):

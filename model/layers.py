@@ -1,8 +1,10 @@
-"""The building blocks every model in `model/` shares: the linear layer, the convolution, rotary tables, nearest
-upsampling, rematerialization of a block and named sharding constraints. Which kernel computes a product or an
-attention is `ops/`'s choice."""
+"""The building blocks every model in `model/` shares: the linear layer, the convolution, rotary tables, timestep
+sinusoids, nearest upsampling, rematerialization of a block and named sharding constraints. Which kernel computes a
+product or an attention is `ops/`'s choice."""
 
 from __future__ import annotations
+
+import math
 
 import jax
 import jax.numpy as jnp
@@ -161,3 +163,44 @@ def rotary_tables(position_ids: jax.Array, axes_dims: tuple[int, ...], theta: fl
         cos.append(jnp.repeat(jnp.cos(angles), 2, axis=-1))
         sin.append(jnp.repeat(jnp.sin(angles), 2, axis=-1))
     return jnp.concatenate(cos, axis=-1), jnp.concatenate(sin, axis=-1)
+
+
+def timestep_sinusoids(t: jax.Array, dim: int = 256, max_period: float = 10000.0) -> jax.Array:
+    """diffusers' `Timesteps(dim, flip_sin_to_cos=True, downscale_freq_shift=0)`: [cos, sin] of t * freqs, float32."""
+    half = dim // 2
+    freqs = jnp.exp(-math.log(max_period) * jnp.arange(half, dtype=jnp.float32) / half)
+    args = t.astype(jnp.float32)[:, None] * freqs[None]
+    return jnp.concatenate([jnp.cos(args), jnp.sin(args)], axis=-1)
+
+
+class NoParams(nnx.Module):
+    """Stands where diffusers keeps a parameterless module (a Dropout) in a list, so indices match its keys."""
+
+    def __call__(self, x):
+        return x
+
+
+class RMSNorm(nnx.Module):
+    """Normalise in float32, cast back, then scale by the weight in `dtype`: the order of operations of transformers'
+    Qwen3 norm and of `torch.nn.RMSNorm`."""
+
+    def __init__(self, dim: int, eps: float, *, dtype):
+        self.eps = eps
+        self.weight = nnx.Param(jnp.ones((dim,), dtype))
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x32 = x.astype(jnp.float32)
+        y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return self.weight[...] * y.astype(x.dtype)
+
+
+class MLPEmbedder(nnx.Module):
+    """linear_1 -> SiLU -> linear_2 (diffusers' TimestepEmbedding and PixArtAlphaTextProjection with act silu), to
+    `out_dim` features (default `dim`)."""
+
+    def __init__(self, in_dim: int, dim: int, out_dim: int | None = None, *, dtype, rngs):
+        self.linear_1 = Linear(in_dim, dim, bias=True, dtype=dtype, rngs=rngs)
+        self.linear_2 = Linear(dim, out_dim or dim, bias=True, dtype=dtype, rngs=rngs)
+
+    def __call__(self, x):
+        return self.linear_2(jax.nn.silu(self.linear_1(x)))

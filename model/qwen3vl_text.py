@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from .layers import Linear
+from .layers import Linear, RMSNorm
 from .loading import Checkpoint, CheckpointError, KeyMap, known_config, load_state, open_checkpoint, read_json
 
 
@@ -49,19 +49,6 @@ class Qwen3VLTextConfig:
         if rope.get("rope_type", "default") not in ("default", None):
             raise CheckpointError(f"{path}: rope_type {rope['rope_type']!r} is not implemented (only 'default')")
         return known_config(cls, text, str(path))
-
-
-class RMSNorm(nnx.Module):
-    """Normalise in float32, cast back, then scale by the weight (transformers' Qwen3 order of operations)."""
-
-    def __init__(self, dim: int, eps: float, *, dtype):
-        self.eps = eps
-        self.weight = nnx.Param(jnp.ones((dim,), dtype))
-
-    def __call__(self, x: jax.Array) -> jax.Array:
-        x32 = x.astype(jnp.float32)
-        y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        return self.weight[...] * y.astype(x.dtype)
 
 
 def rotary_tables(positions: jax.Array, head_dim: int, theta: float, dtype) -> tuple[jax.Array, jax.Array]:
