@@ -31,7 +31,8 @@ import torch
 if str(Path(__file__).resolve().parent) not in sys.path:  # the fixtures package beside this file
     sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from fixtures import clip, flux, gguf, key_coverage, krea2, lora, tokenizer_parity, vae  # noqa: E402
+from fixtures import (clip, flux, gguf, key_coverage, krea2, lora, minimax_h3, tokenizer_parity,  # noqa: E402
+                      vae)
 
 FIXTURES = Path(__file__).resolve().parent.parent / "tests" / "fixtures"
 
@@ -68,6 +69,7 @@ GROUPS = {
     "flux_lora_export": (lora.write_flux_lora_export, "flux"),
     "clip": (clip.write_clip, "clip"),
     "gguf": (gguf.write_gguf_fixtures, "gguf"),  # reads krea2's and flux's tiny_original
+    "minimax_h3_transformer": (minimax_h3.write_minimax_h3_transformer, "minimax_h3"),
 }
 
 
