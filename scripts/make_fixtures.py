@@ -70,6 +70,7 @@ GROUPS = {
     "clip": (clip.write_clip, "clip"),
     "gguf": (gguf.write_gguf_fixtures, "gguf"),  # reads krea2's and flux's tiny_original
     "minimax_h3_transformer": (minimax_h3.write_minimax_h3_transformer, "minimax_h3"),
+    "minimax_h3_denoising": (minimax_h3.write_minimax_h3_denoising, "minimax_h3"),  # reads the tiny transformer
 }
 
 

@@ -1,0 +1,80 @@
+"""MiniMax H3's text-to-video layout, schedules and denoising loop against diffusers' modular pipeline's own parts
+(scripts/fixtures/minimax_h3.py, `write_minimax_h3_denoising`) on the tiny transformer."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from conftest import FIXTURES, relative_l2
+from mxdit.model import pipeline_minimax_h3 as h3
+from mxdit.model.minimax_h3 import MiniMaxH3Transformer
+
+PATCH = (1, 2, 2)
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return dict(np.load(FIXTURES / "minimax_h3" / "denoising_reference.npz"))
+
+
+@pytest.fixture(scope="module")
+def layout(reference):
+    return h3.packed_layout(reference["prompt_embeds"].shape[1], int(reference["num_latent_frames"]),
+                            int(reference["latent_height"]), int(reference["latent_width"]),
+                            int(reference["num_audio_latents"]), PATCH)
+
+
+def test_frame_counts_snap_to_what_the_video_vae_decodes(reference):
+    aligned = h3.align_num_frames(int(reference["num_frames"]))
+    assert aligned == reference["aligned_frames"] == 39
+    assert h3.video_latent_frames(aligned) == reference["num_latent_frames"]
+    assert h3.audio_latent_frames(aligned) == reference["num_audio_latents"]
+    assert h3.align_num_frames(124) == 124 and h3.video_latent_frames(124) == 37  # the 5-second default
+    with pytest.raises(ValueError, match="17 \\* n \\+ 5"):
+        h3.video_latent_frames(40)
+
+
+def test_canvas_sizes_match_diffusers(reference):
+    ratios = ((16, 9), (9, 16), (1, 1), (4, 3), (21, 9))
+    assert [list(h3.resolve_canvas_size(w, h)) for w, h in ratios] == reference["canvases"].tolist()
+    with pytest.raises(ValueError, match="1:4 to 4:1"):
+        h3.resolve_canvas_size(5, 1)
+
+
+def test_packed_layout_equals_diffusers_to_the_bit(layout, reference):
+    for name in ("position_ids", "token_tags", "video_indices", "audio_indices", "text_indices"):
+        np.testing.assert_array_equal(getattr(layout, name), reference[name], err_msg=name)
+
+
+def test_both_schedules_equal_diffusers_to_the_bit(reference):
+    steps = int(reference["steps"])
+    np.testing.assert_array_equal(h3.flow_schedule(steps, h3.VIDEO_SHIFT), reference["sigmas"])
+    np.testing.assert_array_equal(h3.flow_schedule(steps, h3.AUDIO_SHIFT), reference["audio_sigmas"])
+    for steps in (2, 3, 30, 51):  # torch.linspace's float32 grid, not numpy's
+        sigmas = h3.flow_schedule(steps, h3.VIDEO_SHIFT)
+        assert sigmas[0] == 1.0 and sigmas[-1] == 0.0 and (np.diff(sigmas) < 0).all()
+
+
+def test_patchify_round_trips_and_orders_rows_frame_major():
+    latents = jnp.arange(2 * 3 * 2 * 4 * 6, dtype=jnp.float32).reshape(2, 3, 2, 4, 6)
+    rows = h3.patchify(latents, PATCH)
+    assert rows.shape == (2, 2 * 2 * 3, 12)
+    np.testing.assert_array_equal(rows[0, 0, :4], np.asarray(latents[0, 0, 0, :2, :2]).reshape(-1))
+    np.testing.assert_array_equal(h3.unpatchify(rows, 2, 4, 6, PATCH), latents)
+
+
+def test_denoised_video_and_audio_latents_match_diffusers(layout, reference):
+    model = MiniMaxH3Transformer.from_pretrained(FIXTURES / "minimax_h3" / "tiny", dtype=jnp.float32)
+    video = h3.patchify(jnp.asarray(reference["initial_latents"]), PATCH)
+    audio = jnp.asarray(reference["initial_audio_rows"])[None]
+    seen = []
+    video, audio = h3.denoise(model, layout, jnp.asarray(reference["prompt_embeds"]), video, audio,
+                              int(reference["steps"]), callback=lambda i, v, a: seen.append(i))
+    assert seen == list(range(int(reference["steps"]) - 1))  # the final sigma 0 is not a model evaluation
+    latents = h3.unpatchify(video, layout.num_latent_frames, layout.latent_height, layout.latent_width, PATCH)
+    audio_latents = h3.audio_rows_to_latents(audio, layout.num_audio_latents)
+    assert latents.shape == reference["latents"].shape and audio_latents.shape == reference["audio_latents"].shape
+    assert relative_l2(latents, reference["latents"]) <= 5e-7  # measured 8.3e-8
+    assert relative_l2(audio_latents, reference["audio_latents"]) <= 5e-7  # measured 7.2e-8
