@@ -31,8 +31,8 @@ import torch
 if str(Path(__file__).resolve().parent) not in sys.path:  # the fixtures package beside this file
     sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from fixtures import (clip, flux, gguf, key_coverage, krea2, lora, minimax_h3, tokenizer_parity,  # noqa: E402
-                      vae)
+from fixtures import (clip, flux, gguf, key_coverage, krea2, lora, minimax_h3, minimax_h3_audio_vae,  # noqa: E402
+                      minimax_h3_vae, tokenizer_parity, vae)
 
 FIXTURES = Path(__file__).resolve().parent.parent / "tests" / "fixtures"
 
@@ -71,6 +71,8 @@ GROUPS = {
     "gguf": (gguf.write_gguf_fixtures, "gguf"),  # reads krea2's and flux's tiny_original
     "minimax_h3_transformer": (minimax_h3.write_minimax_h3_transformer, "minimax_h3"),
     "minimax_h3_denoising": (minimax_h3.write_minimax_h3_denoising, "minimax_h3"),  # reads the tiny transformer
+    "minimax_h3_audio_vae": (minimax_h3_audio_vae.write_minimax_h3_audio_vae, "minimax_h3/audio_vae"),
+    "minimax_h3_vae": (minimax_h3_vae.write_minimax_h3_vae, "minimax_h3/vae"),
 }
 
 
