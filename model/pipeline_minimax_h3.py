@@ -10,13 +10,22 @@ device.
 from __future__ import annotations
 
 import dataclasses
+import time
+from collections.abc import Callable
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from .minimax_h3 import AUDIO, TEXT, VIDEO, MiniMaxH3Transformer
+from .images import unit_range_to_uint8
+from .minimax_h3 import AUDIO, TEXT, VIDEO, MiniMaxH3Config, MiniMaxH3Transformer
+from .pipeline_common import check_components
+from .qwen3vl_text import Qwen3VLTextConfig, Qwen3VLTextEncoder
+from .tokenizer import TextTokenizer, save_demo_tokenizer
+from .vae_minimax_h3 import MiniMaxH3VAEConfig, MiniMaxH3VideoVAE
+from .vae_minimax_h3_audio import MiniMaxH3AudioVAE, MiniMaxH3AudioVAEConfig
 
 FPS = 24  # the model's own frame rate: what it generates and conditions on
 MIN_SECONDS, MAX_SECONDS = 5.0, 15.0
@@ -201,8 +210,9 @@ def denoise(transformer: MiniMaxH3Transformer, layout: PackedLayout, prompt_embe
     # builds, would change shape whenever the two timesteps meet; a repeated value embeds the same).
     timestep_indices = np.zeros(layout.length, np.int32)
     timestep_indices[layout.audio_indices] = 1
-    structure = tuple(jnp.asarray(a) for a in (timestep_indices, layout.token_tags, layout.position_ids.astype(np.float32),
-                                               layout.video_indices, layout.audio_indices, layout.text_indices))
+    structure = tuple(jnp.asarray(a) for a in (timestep_indices, layout.token_tags,
+                                               layout.position_ids.astype(np.float32), layout.video_indices,
+                                               layout.audio_indices, layout.text_indices))
     step = _denoising_step()
     for i in range(min(len(sigmas), len(audio_sigmas)) - 1):
         video_rows, audio_rows = step(transformer, prompt_embeds, video_rows, audio_rows, structure,
@@ -223,3 +233,152 @@ def _denoising_step():
                 flow_step(audio_rows, audio_velocity, timestep[1], audio_sigma[0], audio_sigma[1]))
 
     return step
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# The pipeline
+
+COMPONENTS = ("transformer", "vae", "audio_vae", "text_encoder", "tokenizer")
+TEXT_ENCODER_LAYER = 50  # the Qwen3-VL hidden state H3 conditions on: after decoder layer 50, before the final norm
+DEFAULT_FRAMES = 124  # 17 * 7 + 5: the shortest video (5 s at 24 fps) the VAE decodes
+DEFAULT_STEPS = 50
+
+
+@dataclasses.dataclass
+class VideoOutput:
+    frames: np.ndarray  # (frames, height, width, 3) uint8
+    audio: np.ndarray  # (AUDIO_CHANNELS, samples) float32 in [-1, 1]
+    fps: int
+    sample_rate: int
+    latents: np.ndarray  # (latent_frames, height / 16, width / 16, channels), normalised as the transformer sees them
+    audio_latents: np.ndarray  # (AUDIO_CHANNELS, audio latents, channels), normalised
+    timings: dict[str, float]  # seconds per stage
+
+
+class MiniMaxH3Pipeline:
+    """A prompt to a video with sound: the Qwen3-VL conditioner, the MiniMax H3 transformer, the video and audio
+    VAEs. One request is one packed sequence (no batch of prompts); the checkpoint is guidance-distilled."""
+
+    def __init__(self, transformer: MiniMaxH3Transformer, vae: MiniMaxH3VideoVAE, audio_vae: MiniMaxH3AudioVAE,
+                 text_encoder: Qwen3VLTextEncoder, tokenizer: TextTokenizer,
+                 text_encoder_layer: int = TEXT_ENCODER_LAYER):
+        vae_cfg, audio_cfg, cfg = vae.config, audio_vae.config, transformer.config
+        geometry = {"video VAE spatial compression": (vae_cfg.spatial_compression, SPATIAL_COMPRESSION),
+                    "video VAE clip_length": (vae_cfg.clip_length, FRAMES_PER_CHUNK),
+                    "video VAE latent frames a clip": (vae_cfg.tokens_chunk_size, LATENTS_PER_CHUNK),
+                    "audio VAE latents a second": (audio_cfg.sampling_rate / audio_cfg.hop_length,
+                                                   AUDIO_LATENTS_PER_SECOND),
+                    "video latent channels": (vae_cfg.latent_channels, cfg.in_channels),
+                    "audio latent channels": (audio_cfg.latent_channels, cfg.audio_in_channels),
+                    "text width": (text_encoder.config.hidden_size, cfg.text_dim)}
+        wrong = [f"{name} {got} (the transformer or the layout expects {want})"
+                 for name, (got, want) in geometry.items() if got != want]
+        if wrong:
+            raise ValueError("the components do not fit together: " + "; ".join(wrong))
+        if not 0 < text_encoder_layer < text_encoder.config.num_hidden_layers:
+            raise ValueError(f"text_encoder_layer {text_encoder_layer}: H3 reads a hidden state before the final "
+                             f"norm, so the text encoder needs more than {text_encoder_layer} layers "
+                             f"(it has {text_encoder.config.num_hidden_layers})")
+        self.transformer, self.vae, self.audio_vae = transformer, vae, audio_vae
+        self.text_encoder, self.tokenizer, self.text_encoder_layer = text_encoder, tokenizer, text_encoder_layer
+
+    @classmethod
+    def from_pretrained(cls, folder: str | Path, dtype: jnp.dtype = jnp.bfloat16) -> "MiniMaxH3Pipeline":
+        """Load a diffusers-layout MiniMax H3 folder (transformer/, vae/, audio_vae/, text_encoder/, tokenizer/).
+        The VAEs stay float32, as the release keeps them."""
+        folder = check_components(folder, COMPONENTS, "MiniMax H3")
+        return cls(MiniMaxH3Transformer.from_pretrained(folder / "transformer", dtype),
+                   MiniMaxH3VideoVAE.from_pretrained(folder / "vae"),
+                   MiniMaxH3AudioVAE.from_pretrained(folder / "audio_vae"),
+                   Qwen3VLTextEncoder.from_pretrained(folder / "text_encoder", dtype),
+                   TextTokenizer.from_folder(folder / "tokenizer"))
+
+    def encode_prompt(self, prompt: str) -> jax.Array:
+        """The prompt verbatim (no chat template, no special tokens) through the conditioner: (1, tokens, text_dim),
+        the hidden state after layer `text_encoder_layer`."""
+        if not isinstance(prompt, str) or not prompt.strip():
+            raise ValueError(f"prompt: a non-empty string, got {prompt!r}")
+        ids, mask = self.tokenizer([prompt])
+        positions = np.arange(ids.shape[1], dtype=np.int32)[None]  # text only: the three rotary axes agree
+        states = self.text_encoder(jnp.asarray(ids), jnp.asarray(mask), jnp.asarray(positions),
+                                   (self.text_encoder_layer,))
+        return states[:, :, 0]
+
+    def __call__(self, prompt: str, *, num_frames: int = DEFAULT_FRAMES, height: int | None = None,
+                 width: int | None = None, num_steps: int = DEFAULT_STEPS, seed: int = 0,
+                 callback: Callable[[int, int], None] | None = None) -> VideoOutput:
+        """Generate `num_frames` frames (rounded up to 17 * n + 5, 5 to 15 seconds at 24 fps) of `height` x `width`
+        pixels (multiples of 32; default the 16:9 canvas) with their stereo soundtrack. `callback(step, num_steps -
+        1)` after each denoising step."""
+        timings, start = {}, time.perf_counter()
+        multiple = SPATIAL_COMPRESSION * self.transformer.config.patch_size[2]
+        if (height is None) != (width is None):
+            raise ValueError("height and width: give both or neither")
+        if height is None:
+            height, width = resolve_canvas_size(16, 9, multiple)
+        if height % multiple or width % multiple or height <= 0 or width <= 0:
+            raise ValueError(f"height and width {height}x{width}: must be positive multiples of {multiple}")
+        frames = align_num_frames(num_frames)
+        if not MIN_SECONDS <= frames / FPS <= MAX_SECONDS:
+            raise ValueError(f"num_frames {num_frames} (as 17 * n + 5: {frames}): MiniMax H3 makes "
+                             f"{MIN_SECONDS:g} to {MAX_SECONDS:g} s at {FPS} fps, {int(MIN_SECONDS * FPS)} to "
+                             f"{int(MAX_SECONDS * FPS)} frames")
+        embeds = self.encode_prompt(prompt)
+        timings["text"] = _since(start, embeds)
+
+        cfg = self.transformer.config
+        layout = packed_layout(embeds.shape[1], video_latent_frames(frames), height // SPATIAL_COMPRESSION,
+                               width // SPATIAL_COMPRESSION, audio_latent_frames(frames), cfg.patch_size)
+        video_key, audio_key = jax.random.split(jax.random.key(seed))
+        noise = jax.random.normal(video_key, (1, cfg.in_channels, layout.num_latent_frames, layout.latent_height,
+                                              layout.latent_width), jnp.float32)
+        audio_noise = jax.random.normal(audio_key, (1, AUDIO_CHANNELS * layout.num_audio_latents,
+                                                    cfg.audio_in_channels), jnp.float32)
+        stage = time.perf_counter()
+        report = None if callback is None else (lambda i, v, a: callback(i, num_steps - 1))
+        video_rows, audio_rows = denoise(self.transformer, layout, embeds, patchify(noise, cfg.patch_size),
+                                         audio_noise, num_steps, callback=report)
+        timings["denoise"] = _since(stage, video_rows)
+
+        stage = time.perf_counter()
+        latents = unpatchify(video_rows, layout.num_latent_frames, layout.latent_height, layout.latent_width,
+                             cfg.patch_size).transpose(0, 2, 3, 4, 1)  # channels last
+        video = self.vae.decode(self.vae.denormalize_latents(latents))
+        audio_latents = audio_rows.reshape(AUDIO_CHANNELS, layout.num_audio_latents, cfg.audio_in_channels)
+        audio = self.audio_vae.decode(self.audio_vae.denormalize_latents(audio_latents))
+        timings["decode"] = _since(stage, (video, audio))
+        timings["total"] = time.perf_counter() - start
+        return VideoOutput(unit_range_to_uint8(np.asarray(video[0])), np.asarray(audio, np.float32), FPS,
+                           self.audio_vae.config.sampling_rate, np.asarray(latents[0]), np.asarray(audio_latents),
+                           timings)
+
+
+def _since(start: float, result) -> float:
+    jax.block_until_ready(result)
+    return time.perf_counter() - start
+
+
+def demo_pipeline(tokenizer_folder: str | Path, seed: int = 0) -> MiniMaxH3Pipeline:
+    """A tiny MiniMax H3-shaped pipeline with RANDOM weights, float32 (and the demo word-level tokenizer, written to
+    `tokenizer_folder`): the release's geometry (16x spatial, 17-frame clips, 40 audio latents a second) at a few
+    channels, so that the whole path runs on a CPU; the video and sound are noise, not meaningful."""
+    tokenizer = TextTokenizer.from_folder(save_demo_tokenizer(tokenizer_folder))
+    text_cfg = Qwen3VLTextConfig(vocab_size=tokenizer.vocab_size, hidden_size=32, intermediate_size=64,
+                                 num_hidden_layers=3, num_attention_heads=2, num_key_value_heads=1, head_dim=16)
+    transformer_cfg = MiniMaxH3Config(
+        num_attention_heads=2, attention_head_dim=16, hidden_size=32, num_layers=2, num_refiner_layers=1,
+        ffn_dim=64, in_channels=8, audio_in_channels=8, text_dim=32, freq_dim=32, time_embed_hidden_dim=32,
+        time_embed_dim=16, rope_freq_dim=2)
+    vae_cfg = MiniMaxH3VAEConfig(latent_channels=8, block_out_channels=(8,) * 6, layers_per_block=1,
+                                 norm_num_groups=4, decoder_num_layers=1, decoder_num_attention_heads=2,
+                                 decoder_attention_head_dim=16, decoder_num_register_tokens=1, decoder_ffn_mult=2,
+                                 latents_mean=(0.0,) * 8, latents_std=(1.0,) * 8)
+    audio_cfg = MiniMaxH3AudioVAEConfig(encoder_dim=4, latent_dim=16, latent_channels=8, num_attention_heads=2,
+                                        decoder_dim=128, resblock_kernel_sizes=(3,),
+                                        resblock_dilation_sizes=((1,),), latents_mean=(0.0,) * 8,
+                                        latents_std=(1.0,) * 8)
+    rngs = nnx.Rngs(jax.random.key(seed, impl="rbg"))  # compiles far faster on a CPU than threefry
+    return MiniMaxH3Pipeline(MiniMaxH3Transformer(transformer_cfg, dtype=jnp.float32, rngs=rngs),
+                             MiniMaxH3VideoVAE(vae_cfg, rngs=rngs), MiniMaxH3AudioVAE(audio_cfg, rngs=rngs),
+                             Qwen3VLTextEncoder(text_cfg, dtype=jnp.float32, rngs=rngs), tokenizer,
+                             text_encoder_layer=2)

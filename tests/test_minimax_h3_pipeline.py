@@ -3,6 +3,10 @@
 
 from __future__ import annotations
 
+import importlib.util
+import re
+from pathlib import Path
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -12,6 +16,10 @@ from mxdit.model import pipeline_minimax_h3 as h3
 from mxdit.model.minimax_h3 import MiniMaxH3Transformer
 
 PATCH = (1, 2, 2)
+_spec = importlib.util.spec_from_file_location("generate_video",
+                                               Path(__file__).parent.parent / "scripts" / "generate_video.py")
+generate_video = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(generate_video)
 
 
 @pytest.fixture(scope="module")
@@ -78,3 +86,66 @@ def test_denoised_video_and_audio_latents_match_diffusers(layout, reference):
     assert latents.shape == reference["latents"].shape and audio_latents.shape == reference["audio_latents"].shape
     assert relative_l2(latents, reference["latents"]) <= 5e-7  # measured 8.3e-8
     assert relative_l2(audio_latents, reference["audio_latents"]) <= 5e-7  # measured 7.2e-8
+
+
+# -- the whole path: demo model, the pipeline, the MP4 -----------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory):
+    return h3.demo_pipeline(tmp_path_factory.mktemp("tokenizer"))
+
+
+def test_generate_video_writes_an_mp4_with_stereo_sound(tmp_path):
+    av = pytest.importorskip("av")
+    output = tmp_path / "fox.mp4"
+    assert generate_video.main(["--demo", "--prompt", "a red fox", "--height", "64", "--width", "96",
+                                "--output", str(output)]) == 0
+    with av.open(str(output)) as container:
+        video, audio = container.streams.video[0], container.streams.audio[0]
+        assert (video.codec_context.name, video.width, video.height, video.average_rate) == ("h264", 96, 64, 24)
+        assert (audio.codec_context.name, audio.rate, audio.channels) == ("aac", 32000, 2)
+        assert sum(1 for _ in container.decode(video=0)) == 124  # 5.17 s: 17 * 7 + 5 frames
+    with pytest.raises(SystemExit):  # the file exists now
+        generate_video.parse_args(["--demo", "--prompt", "a red fox", "--output", str(output)])
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--num-frames", "60"], "--num-frames 60: .* 5 to 15 s"),
+    (["--height", "100", "--width", "96"], "--height 100: must be a positive multiple of 32"),
+    (["--height", "64"], "give both or neither"),
+    (["--output", "x.mov"], "must end in .mp4"),
+    (["--steps", "1"], "--steps 1"),
+])
+def test_generate_video_refuses_bad_flags_in_one_line(flags, message, capsys):
+    with pytest.raises(SystemExit):
+        generate_video.parse_args(["--demo", "--prompt", "a fox", *flags])
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and re.search(message, err), err
+
+
+def test_the_same_seed_gives_the_same_video_and_the_callback_sees_each_step(demo):
+    steps = []
+    first = demo("a red fox", height=32, width=64, num_steps=3, seed=5, callback=lambda i, n: steps.append((i, n)))
+    second = demo("a red fox", height=32, width=64, num_steps=3, seed=5)
+    other = demo("a red fox", height=32, width=64, num_steps=3, seed=6)
+    assert steps == [(0, 2), (1, 2)]
+    assert first.frames.shape == (124, 32, 64, 3) and first.audio.shape == (2, 207 * 800)
+    np.testing.assert_array_equal(first.frames, second.frames)
+    np.testing.assert_array_equal(first.audio, second.audio)
+    assert not np.array_equal(first.latents, other.latents)
+
+
+def test_components_that_do_not_fit_are_named(demo):
+    from mxdit.model.vae_minimax_h3 import MiniMaxH3VideoVAE
+
+    tiny_vae = MiniMaxH3VideoVAE.from_pretrained(FIXTURES / "minimax_h3" / "vae" / "tiny")
+    with pytest.raises(ValueError, match="video VAE spatial compression 4"):
+        h3.MiniMaxH3Pipeline(demo.transformer, tiny_vae, demo.audio_vae, demo.text_encoder, demo.tokenizer,
+                             demo.text_encoder_layer)
+    with pytest.raises(ValueError, match="more than 3 layers"):
+        h3.MiniMaxH3Pipeline(demo.transformer, demo.vae, demo.audio_vae, demo.text_encoder, demo.tokenizer, 3)
+    with pytest.raises(ValueError, match="num_frames 60"):
+        demo("a fox", num_frames=60, height=32, width=64)
+    with pytest.raises(ValueError, match="prompt"):
+        demo("  ", height=32, width=64)
