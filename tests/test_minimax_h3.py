@@ -107,3 +107,30 @@ def test_a_single_file_needs_its_config(tmp_path):
 def test_too_many_rotated_channels_is_refused():
     with pytest.raises(ValueError, match="rope_freq_dim"):
         MiniMaxH3Config(attention_head_dim=64, rope_freq_dim=16)
+
+
+@pytest.mark.parametrize("component", ["transformer", "vae", "audio_vae"])
+def test_the_released_checkpoints_map_every_key_onto_the_modules(component, tmp_path):
+    """Full size, by key names and shapes alone (scripts/make_fixtures.py --only minimax_h3_released_keys): every
+    stored tensor is read into a parameter of its shape, or, for the audio VAE's resampling filters (functions of the
+    config, computed rather than read), named as unused; no parameter is left unset."""
+    import json
+
+    from mxdit.model.loading import KeyMap, ShapeCheckpoint, plan_load
+    from mxdit.model.vae_minimax_h3 import MiniMaxH3VAEConfig, MiniMaxH3VideoVAE
+    from mxdit.model.vae_minimax_h3_audio import MiniMaxH3AudioVAE, MiniMaxH3AudioVAEConfig
+
+    released = json.loads((FIXTURES / "minimax_h3" / "released_keys.json").read_text())[component]
+    module_cls, config_cls = {"transformer": (MiniMaxH3Transformer, MiniMaxH3Config),
+                              "vae": (MiniMaxH3VideoVAE, MiniMaxH3VAEConfig),
+                              "audio_vae": (MiniMaxH3AudioVAE, MiniMaxH3AudioVAEConfig)}[component]
+    (tmp_path / "config.json").write_text(json.dumps(released["config"]))
+    config = config_cls.from_json(tmp_path / "config.json")
+    checkpoint = ShapeCheckpoint(released["keys"], component)
+    keys = MiniMaxH3AudioVAE.key_map(checkpoint) if component == "audio_vae" else KeyMap(checkpoint)
+    plan = plan_load(nnx.eval_shape(lambda: module_cls(config, rngs=nnx.Rngs(0))), keys)
+    assert plan.problems == []
+    if component == "audio_vae":
+        assert plan.ignored and all(k.endswith((".filter", ".zero_k_bias")) for k in plan.ignored)
+    else:
+        assert plan.ignored == [] and len(plan.sources) == len(released["keys"])
