@@ -328,3 +328,15 @@ def test_given_mosaic_tiles_fit_shared_memory_with_float32_outputs(monkeypatch, 
 
     shapes = [jax.ShapeDtypeStruct(s, jnp.float32) for s in ((m, k), (m, n), (n,))]
     assert "mosaic_gpu" in jax.jit(product).trace(*shapes).lower(lowering_platforms=("cuda",)).as_text()
+
+
+@pytest.mark.parametrize("k", [40, 300])
+def test_rotated_int8_weights_pad_to_the_rotation_block_like_their_activations(k):
+    # The rotation acts on 256-wide runs, wider than the 128 other weights pad to: a width that 128 pads short of a
+    # multiple of 256 must still meet its activations.
+    x, w = _operands(2, m=16, k=k, n=24)
+    wq = gemm.prepare_weight(w, "int8_rot", backend="triton")
+    xq, xs = gemm.quantize_activations(x, "token", "int8_rot")
+    assert wq.k == xq.shape[1] == -(-k // 256) * 256
+    y = gemm.scaled_matmul_reference(xq, xs, wq, out_dtype=jnp.float32)
+    assert relative_l2(np.asarray(y), x @ w.T) < 0.02

@@ -72,7 +72,9 @@ def prepare_weight(w: jax.Array | QuantizedArray, fmt: str | None = None, *, bac
     kp = k + (-k) % BLOCK_K
     f = FORMATS[w.fmt]
     if f.kind in ("fp8", "int8"):
-        return GemmWeight(pad_k(w.data), w.scale.reshape(n).astype(jnp.float32), None, w.fmt, "channel", n, kp)
+        # A rotated format's codes are padded to its rotation block (256), and the activations rotated with them
+        data = pad_k(w.data)
+        return GemmWeight(data, w.scale.reshape(n).astype(jnp.float32), None, w.fmt, "channel", n, data.shape[1])
     if backend == "mosaic":
         data, scale = fold_mx_weight(w, mx_fold_rows)
         return GemmWeight(data, scale, None, w.fmt, "block", n, kp, mx_fold_rows)
