@@ -19,7 +19,12 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from mxdit.ops.names import Precision
+from mxdit.quant.gates import GateReport, evaluate
+from mxdit.quant.model import minimax_h3_rules, quantize_linear_layers, quantize_on_load
+
 from .images import unit_range_to_uint8
+from .loading import place_parameters
 from .minimax_h3 import AUDIO, TEXT, VIDEO, MiniMaxH3Config, MiniMaxH3Transformer
 from .pipeline_common import check_components
 from .qwen3vl_text import Qwen3VLTextConfig, Qwen3VLTextEncoder
@@ -205,40 +210,93 @@ def denoise(transformer: MiniMaxH3Transformer, layout: PackedLayout, prompt_embe
     step down their schedule (shift 12) and the audio rows down theirs (shift 3). The text rows share the video's
     timestep. `video_rows` (batch, video rows, patch channels) and `audio_rows` (batch, audio rows, channels) are
     the noise, packed; returns them denoised. `callback(step, video_rows, audio_rows)` after each step."""
-    sigmas, audio_sigmas = flow_schedule(num_steps, VIDEO_SHIFT), flow_schedule(num_steps, AUDIO_SHIFT)
-    # Two slots, [video, audio]: one compiled step serves every step (a table of distinct values, as diffusers
-    # builds, would change shape whenever the two timesteps meet; a repeated value embeds the same).
-    timestep_indices = np.zeros(layout.length, np.int32)
-    timestep_indices[layout.audio_indices] = 1
-    structure = tuple(jnp.asarray(a) for a in (timestep_indices, layout.token_tags,
-                                               layout.position_ids.astype(np.float32), layout.video_indices,
-                                               layout.audio_indices, layout.text_indices))
-    step = _denoising_step()
-    for i in range(min(len(sigmas), len(audio_sigmas)) - 1):
-        video_rows, audio_rows = step(transformer, prompt_embeds, video_rows, audio_rows, structure,
-                                      jnp.asarray(sigmas[i : i + 2]), jnp.asarray(audio_sigmas[i : i + 2]))
+    structure = _structure(layout)
+    for i, (sigma, audio_sigma) in enumerate(_schedules(num_steps)):
+        video_rows, audio_rows = _step(transformer, prompt_embeds, video_rows, audio_rows, structure, sigma,
+                                       audio_sigma)
         if callback is not None:
             callback(i, video_rows, audio_rows)
     return video_rows, audio_rows
 
 
-def _denoising_step():
-    @nnx.jit
-    def step(transformer, prompt_embeds, video_rows, audio_rows, structure, sigma, audio_sigma):
-        timestep_indices, tags, positions, video_idx, audio_idx, text_idx = structure
-        timestep = jnp.stack([1.0 - sigma[0], 1.0 - audio_sigma[0]])
-        velocity, audio_velocity = transformer(video_rows, audio_rows, prompt_embeds, timestep, timestep_indices, tags,
-                                               positions, video_idx, audio_idx, text_idx)
-        return (flow_step(video_rows, velocity, timestep[0], sigma[0], sigma[1]),
-                flow_step(audio_rows, audio_velocity, timestep[1], audio_sigma[0], audio_sigma[1]))
+@dataclasses.dataclass(frozen=True)
+class TrajectoryCheck:
+    """A quantized transformer against its reference along the reference's denoising (`trajectory_check`)."""
 
-    return step
+    fmt: str
+    steps: list[tuple[GateReport, GateReport]]  # (video, audio) velocity at each denoiser evaluation
+    final: tuple[GateReport, GateReport]  # (video, audio) rows at the end of the candidate's own trajectory
+
+    @property
+    def passed(self) -> bool:
+        return all(r.passed for pair in (*self.steps, self.final) for r in pair)
+
+
+def trajectory_check(reference: MiniMaxH3Transformer, candidate: MiniMaxH3Transformer, fmt: str,
+                     layout: PackedLayout, prompt_embeds: jax.Array, video_rows: jax.Array, audio_rows: jax.Array,
+                     num_steps: int) -> TrajectoryCheck:
+    """The admission gates of `quant.gates` for `fmt`, per denoiser evaluation and for the trajectory: at each step
+    both transformers see the reference's state, and each velocity (video rows, audio rows) is gated against the
+    reference's (cosine, relative L2, non-finite values); then the candidate denoises on its own from the same noise,
+    and its final rows are gated against the reference's (an unchanged trajectory)."""
+    structure, steps = _structure(layout), []
+    reference_video, reference_audio = video_rows, audio_rows
+    for sigma, audio_sigma in _schedules(num_steps):
+        timestep = _timesteps(sigma, audio_sigma)
+        want = _velocity(reference, prompt_embeds, reference_video, reference_audio, structure, timestep)
+        got = _velocity(candidate, prompt_embeds, reference_video, reference_audio, structure, timestep)
+        steps.append(tuple(evaluate(fmt, np.asarray(g), np.asarray(w)) for g, w in zip(got, want)))
+        reference_video, reference_audio = _step(reference, prompt_embeds, reference_video, reference_audio,
+                                                 structure, sigma, audio_sigma)
+    video, audio = denoise(candidate, layout, prompt_embeds, video_rows, audio_rows, num_steps)
+    final = (evaluate(fmt, np.asarray(video), np.asarray(reference_video)),
+             evaluate(fmt, np.asarray(audio), np.asarray(reference_audio)))
+    return TrajectoryCheck(fmt, steps, final)
+
+
+def _schedules(num_steps: int) -> list[tuple[jax.Array, jax.Array]]:
+    """Each step's (sigma, next sigma) of the video and the audio schedule."""
+    sigmas, audio_sigmas = flow_schedule(num_steps, VIDEO_SHIFT), flow_schedule(num_steps, AUDIO_SHIFT)
+    return [(jnp.asarray(sigmas[i : i + 2]), jnp.asarray(audio_sigmas[i : i + 2]))
+            for i in range(min(len(sigmas), len(audio_sigmas)) - 1)]
+
+
+def _structure(layout: PackedLayout) -> tuple[jax.Array, ...]:
+    """The transformer's structural arguments for `layout`, on the device. Two timestep slots, [video, audio]: one
+    compiled step serves every step (a table of distinct values, as diffusers builds, would change shape whenever
+    the two timesteps meet; a repeated value embeds the same)."""
+    timestep_indices = np.zeros(layout.length, np.int32)
+    timestep_indices[layout.audio_indices] = 1
+    return tuple(jnp.asarray(a) for a in (timestep_indices, layout.token_tags, layout.position_ids.astype(np.float32),
+                                          layout.video_indices, layout.audio_indices, layout.text_indices))
+
+
+def _timesteps(sigma: jax.Array, audio_sigma: jax.Array) -> jax.Array:
+    return jnp.stack([1.0 - sigma[0], 1.0 - audio_sigma[0]])
+
+
+@nnx.jit
+def _velocity(transformer, prompt_embeds, video_rows, audio_rows, structure, timestep):
+    timestep_indices, tags, positions, video_idx, audio_idx, text_idx = structure
+    return transformer(video_rows, audio_rows, prompt_embeds, timestep, timestep_indices, tags, positions, video_idx,
+                       audio_idx, text_idx)
+
+
+@nnx.jit
+def _step(transformer, prompt_embeds, video_rows, audio_rows, structure, sigma, audio_sigma):
+    timestep = _timesteps(sigma, audio_sigma)
+    velocity, audio_velocity = _velocity(transformer, prompt_embeds, video_rows, audio_rows, structure, timestep)
+    return (flow_step(video_rows, velocity, timestep[0], sigma[0], sigma[1]),
+            flow_step(audio_rows, audio_velocity, timestep[1], audio_sigma[0], audio_sigma[1]))
 
 
 # --------------------------------------------------------------------------------------------------------------------
 # The pipeline
 
 COMPONENTS = ("transformer", "vae", "audio_vae", "text_encoder", "tokenizer")
+# --precision: the weight format of the blocks' attention and SwiGLU matrices (`quant.model.minimax_h3_rules`),
+# multiplied by the GEMM kernels; int8_rot is the rotated INT8 of the seed compiler's ConvRot cache
+PRECISIONS = {p.value: p.weight_format for p in Precision} | {"int8_rot": "int8_rot"}
 TEXT_ENCODER_LAYER = 50  # the Qwen3-VL hidden state H3 conditions on: after decoder layer 50, before the final norm
 DEFAULT_FRAMES = 124  # 17 * 7 + 5: the shortest video (5 s at 24 fps) the VAE decodes
 DEFAULT_STEPS = 50
@@ -283,11 +341,16 @@ class MiniMaxH3Pipeline:
         self.text_encoder, self.tokenizer, self.text_encoder_layer = text_encoder, tokenizer, text_encoder_layer
 
     @classmethod
-    def from_pretrained(cls, folder: str | Path, dtype: jnp.dtype = jnp.bfloat16) -> "MiniMaxH3Pipeline":
+    def from_pretrained(cls, folder: str | Path, dtype: jnp.dtype = jnp.bfloat16,
+                        precision: str = "bf16") -> "MiniMaxH3Pipeline":
         """Load a diffusers-layout MiniMax H3 folder (transformer/, vae/, audio_vae/, text_encoder/, tokenizer/).
-        The VAEs stay float32, as the release keeps them."""
+        The VAEs stay float32, as the release keeps them. `precision` (a key of PRECISIONS): the transformer's block
+        matrices quantized as they are read, so that the device never holds them in bf16."""
         folder = check_components(folder, COMPONENTS, "MiniMax H3")
-        return cls(MiniMaxH3Transformer.from_pretrained(folder / "transformer", dtype),
+        fmt = _weight_format(precision)
+        with place_parameters(*([quantize_on_load(minimax_h3_rules(fmt))] if fmt else [])):
+            transformer = MiniMaxH3Transformer.from_pretrained(folder / "transformer", dtype)
+        return cls(transformer,
                    MiniMaxH3VideoVAE.from_pretrained(folder / "vae"),
                    MiniMaxH3AudioVAE.from_pretrained(folder / "audio_vae"),
                    Qwen3VLTextEncoder.from_pretrained(folder / "text_encoder", dtype),
@@ -353,15 +416,23 @@ class MiniMaxH3Pipeline:
                            timings)
 
 
+def _weight_format(precision: str) -> str | None:
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision {precision!r}: one of {', '.join(PRECISIONS)}")
+    return PRECISIONS[precision]
+
+
 def _since(start: float, result) -> float:
     jax.block_until_ready(result)
     return time.perf_counter() - start
 
 
-def demo_pipeline(tokenizer_folder: str | Path, seed: int = 0) -> MiniMaxH3Pipeline:
+def demo_pipeline(tokenizer_folder: str | Path, seed: int = 0, precision: str = "bf16") -> MiniMaxH3Pipeline:
     """A tiny MiniMax H3-shaped pipeline with RANDOM weights, float32 (and the demo word-level tokenizer, written to
     `tokenizer_folder`): the release's geometry (16x spatial, 17-frame clips, 40 audio latents a second) at a few
-    channels, so that the whole path runs on a CPU; the video and sound are noise, not meaningful."""
+    channels, so that the whole path runs on a CPU; the video and sound are noise, not meaningful. `precision`: as
+    `MiniMaxH3Pipeline.from_pretrained`'s."""
+    fmt = _weight_format(precision)
     tokenizer = TextTokenizer.from_folder(save_demo_tokenizer(tokenizer_folder))
     text_cfg = Qwen3VLTextConfig(vocab_size=tokenizer.vocab_size, hidden_size=32, intermediate_size=64,
                                  num_hidden_layers=3, num_attention_heads=2, num_key_value_heads=1, head_dim=16)
@@ -378,7 +449,10 @@ def demo_pipeline(tokenizer_folder: str | Path, seed: int = 0) -> MiniMaxH3Pipel
                                         resblock_dilation_sizes=((1,),), latents_mean=(0.0,) * 8,
                                         latents_std=(1.0,) * 8)
     rngs = nnx.Rngs(jax.random.key(seed, impl="rbg"))  # compiles far faster on a CPU than threefry
-    return MiniMaxH3Pipeline(MiniMaxH3Transformer(transformer_cfg, dtype=jnp.float32, rngs=rngs),
+    transformer = MiniMaxH3Transformer(transformer_cfg, dtype=jnp.float32, rngs=rngs)
+    if fmt:
+        quantize_linear_layers(transformer, minimax_h3_rules(fmt), kernels=True)
+    return MiniMaxH3Pipeline(transformer,
                              MiniMaxH3VideoVAE(vae_cfg, rngs=rngs), MiniMaxH3AudioVAE(audio_cfg, rngs=rngs),
                              Qwen3VLTextEncoder(text_cfg, dtype=jnp.float32, rngs=rngs), tokenizer,
                              text_encoder_layer=2)

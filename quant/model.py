@@ -57,6 +57,14 @@ def flux_rules(fmt: str) -> list[tuple[str, str | None]]:
     ]
 
 
+def minimax_h3_rules(fmt: str) -> list[tuple[str, str | None]]:
+    """MiniMax H3: the attention (q, k, v, out) and SwiGLU matrices of the blocks and of the text refiner in `fmt`;
+    the AdaLN projections (a few rows each: one per timestep and modality), the input and output projections and the
+    timestep MLP stay."""
+    matrices = r"\.(attn\.(to_q|to_k|to_v|to_out\.0)|ff\.net\.(0\.proj|2))\.weight$"
+    return [(r"^(transformer_blocks|token_refiner\.refiner_blocks)\.\d+" + matrices, fmt)]
+
+
 def any_family_rules(fmt: str) -> list[tuple[str, str | None]]:
     """Krea 2's and FLUX.1's rules together: each selects only its own blocks' matrices (the text encoders' keys match
     neither), so a loader can quantize as it reads before it knows the family, and any transformer takes them."""

@@ -36,6 +36,9 @@ def build_parser() -> OneLineErrorParser:
     parser.add_argument("--seed", type=int, default=0, help="the noise's seed: the same seed, the same video")
     parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16",
                         help="the transformer's and text encoder's (the VAEs run in float32)")
+    parser.add_argument("--precision", choices=["bf16", "fp8", "mxfp8", "mxfp6", "mxfp4", "int8", "int8_rot"],
+                        default="bf16", help="the transformer blocks' attention and SwiGLU matrices, quantized as they "
+                                             "are read and multiplied by the GEMM kernels (int8_rot: rotated INT8)")
     parser.add_argument("--output", type=Path, default=Path("output.mp4"), help="MP4 path")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing output file")
     return parser
@@ -86,9 +89,9 @@ def main(argv=None) -> int:
     try:
         if args.demo:
             print("demo: RANDOM weights -- the video and sound are noise; this shows the path works")
-            pipe = demo_pipeline(Path(tempfile.mkdtemp(prefix="mxdit-demo-tokenizer-")))
+            pipe = demo_pipeline(Path(tempfile.mkdtemp(prefix="mxdit-demo-tokenizer-")), precision=args.precision)
         else:
-            pipe = MiniMaxH3Pipeline.from_pretrained(args.model, jnp.dtype(args.dtype))
+            pipe = MiniMaxH3Pipeline.from_pretrained(args.model, jnp.dtype(args.dtype), args.precision)
     except (CheckpointError, ValueError) as e:
         print(f"generate_video.py: error: {e}", file=sys.stderr)
         return 2

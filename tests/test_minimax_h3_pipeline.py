@@ -149,3 +149,44 @@ def test_components_that_do_not_fit_are_named(demo):
         demo("a fox", num_frames=60, height=32, width=64)
     with pytest.raises(ValueError, match="prompt"):
         demo("  ", height=32, width=64)
+
+
+# -- quantized weights: the admission gates per denoiser evaluation and along the trajectory ---------------------------
+
+
+@pytest.mark.parametrize("fmt", ["fp8_e4m3", "int8_rot"])
+def test_quantized_transformers_pass_their_gates_at_every_step_and_at_the_end(fmt, layout, reference):
+    from mxdit.model.loading import place_parameters
+    from mxdit.quant.model import minimax_h3_rules, quantize_on_load
+
+    tiny = FIXTURES / "minimax_h3" / "tiny"
+    base = MiniMaxH3Transformer.from_pretrained(tiny, jnp.bfloat16)
+    with place_parameters(quantize_on_load(minimax_h3_rules(fmt))):  # as from_pretrained(precision=...) reads it
+        candidate = MiniMaxH3Transformer.from_pretrained(tiny, jnp.bfloat16)
+    assert type(candidate.transformer_blocks[0].attn.to_q.weight.get_value()).__name__ == "GemmWeight"
+    video = h3.patchify(jnp.asarray(reference["initial_latents"]), PATCH)
+    check = h3.trajectory_check(base, candidate, fmt, layout, jnp.asarray(reference["prompt_embeds"]), video,
+                                jnp.asarray(reference["initial_audio_rows"])[None], int(reference["steps"]))
+    assert len(check.steps) == int(reference["steps"]) - 1 and check.passed
+    # on this tiny model: fp8 cosine >= 0.999998 and relative L2 <= 0.0018 a step; int8_rot 1.0 and 0.0009
+    assert min(r.cosine for pair in check.steps for r in pair) > 0.99999
+
+
+def test_a_candidate_with_a_wrong_video_head_fails_the_video_gates_only(layout, reference):
+    tiny = FIXTURES / "minimax_h3" / "tiny"
+    base = MiniMaxH3Transformer.from_pretrained(tiny, jnp.bfloat16)
+    broken = MiniMaxH3Transformer.from_pretrained(tiny, jnp.bfloat16)
+    broken.proj_out.weight.set_value(-broken.proj_out.weight.get_value())
+    video = h3.patchify(jnp.asarray(reference["initial_latents"]), PATCH)
+    check = h3.trajectory_check(base, broken, "fp8_e4m3", layout, jnp.asarray(reference["prompt_embeds"]), video,
+                                jnp.asarray(reference["initial_audio_rows"])[None], int(reference["steps"]))
+    assert not check.passed
+    assert all(not v.passed and "cosine" in v.failures[0] for v, _ in check.steps) and not check.final[0].passed
+    assert all(a.passed for _, a in check.steps)
+
+
+def test_generate_video_offers_every_precision_the_pipeline_takes():
+    action = next(a for a in generate_video.build_parser()._actions if a.dest == "precision")
+    assert set(action.choices) == set(h3.PRECISIONS)
+    with pytest.raises(ValueError, match="precision 'fp4'"):
+        h3.demo_pipeline("unused", precision="fp4")
