@@ -8,6 +8,7 @@
     python scripts/benchmark.py first-image                     # process start to PNG, ours twice and diffusers
     python scripts/benchmark.py throughput --batches 1 4 16     # warm images/s per batch size, ours and diffusers
     python scripts/benchmark.py flux-step                       # FLUX.1-dev, one step at 1024x1024
+    python scripts/benchmark.py minimax-h3-step --precisions bf16 fp8 int8_rot   # a video denoiser evaluation + gates
     python scripts/benchmark.py gemm                            # block-scaled GEMM kernels vs XLA and torch
     python scripts/benchmark.py krea2-sharded-step --meshes seq=8 cfg=2,seq=4 --guidance   # all GPUs, per mesh
     python scripts/benchmark.py krea2-lora-step --remat none block   # LoRA training step, rank 32, 1024x1024
@@ -32,8 +33,8 @@ if str(Path(__file__).resolve().parent) not in sys.path:  # the benchmarks packa
 
 from mxdit.ops.names import AttentionKernel, Precision  # noqa: E402 (plain names, no jax)
 
-from benchmarks import (attention, diffusers_side, first_image, flux, gemm, krea2, lora, offload,  # noqa: E402
-                        pipeline, sharding, throughput, vae)
+from benchmarks import (attention, diffusers_side, first_image, flux, gemm, krea2, lora, minimax_h3,  # noqa: E402
+                        offload, pipeline, sharding, throughput, vae)
 
 COMMANDS = {
     "krea2-step": krea2.krea2_step, "krea2-step-diffusers": diffusers_side.diffusers_krea2_step,
@@ -52,6 +53,8 @@ COMMANDS = {
     "flux-lora-step": lora.lora_step, "flux-lora-step-jax": lora.jax_lora_step,
     "flux-step": flux.flux_step, "flux-step-diffusers": diffusers_side.diffusers_flux_step,
     "flux-step-jax": flux.jax_flux_step,
+    "minimax-h3-step": minimax_h3.h3_step, "minimax-h3-step-jax": minimax_h3.jax_h3_step,
+    "minimax-h3-step-diffusers": minimax_h3.diffusers_h3_step,
     "vae-decode": vae.vae_decode, "vae-decode-diffusers": diffusers_side.diffusers_vae_decode,
     "vae-decode-jax": vae.jax_vae_decode,
     "gemm": gemm.gemm_benchmark, "gemm-jax": gemm.jax_gemm, "gemm-torch": diffusers_side.torch_gemm,
@@ -230,6 +233,23 @@ def _add_flux_and_vae_commands(sub) -> None:
         p.add_argument("--stacked", type=_yes, default=False, metavar="{no,yes}",
                        help="Q/K/V (and the single blocks' MLP projection) as one product each, as generate.py runs")
         p.add_argument("--jax-attention", nargs="+", default=["cudnn"], choices=ATTENTION_CHOICES)
+        _json_argument(p)
+    for name in ("minimax-h3-step", "minimax-h3-step-diffusers", "minimax-h3-step-jax"):
+        p = sub.add_parser(name, help=_help(name, "minimax-h3-step", "a MiniMax H3 denoiser evaluation, ours (with "
+                                                                     "each precision's gates) and diffusers'"))
+        p.add_argument("--num-frames", type=int, default=124, help="at 24 fps, 17 * n + 5 (124: 5 s, 37.8k tokens)")
+        p.add_argument("--height", type=int, default=768)
+        p.add_argument("--width", type=int, default=1344)
+        p.add_argument("--text-len", type=int, default=128)
+        p.add_argument("--num-layers", type=int, default=None, help="fewer blocks, for a quick smoke run")
+        p.add_argument("--tiny", action="store_true", help="a tiny model (checks the path on a CPU)")
+        _timing_arguments(p, iters=3)
+        p.add_argument("--no-diffusers", dest="diffusers", action="store_false")
+        p.add_argument("--precisions", nargs="+", default=["bf16", "fp8", "int8_rot"],
+                       choices=PRECISION_CHOICES + ("int8_rot",),
+                       help="the blocks' attention and SwiGLU matrices in this format (bf16: XLA's dots)")
+        p.add_argument("--jax-attention", nargs="+", default=["cudnn"], choices=ATTENTION_CHOICES)
+        p.add_argument("--outputs-dir", default=None, help=argparse.SUPPRESS)  # the parent's: the bf16 output
         _json_argument(p)
     for name in ("vae-decode", "vae-decode-diffusers", "vae-decode-jax"):
         p = sub.add_parser(name, help=_help(name, "vae-decode", "VAE decoding, ours and diffusers'"))

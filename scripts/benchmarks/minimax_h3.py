@@ -1,0 +1,177 @@
+"""One MiniMax H3 denoiser evaluation at a video length, ours per precision and attention against diffusers' (each in
+its own process), with the admission gates of each precision against our bf16 output on the same inputs."""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+from .rows import emit, error_text, flags, step_table, subprocess_rows, write_json
+from .timing import jax_peak_gb, timed
+
+# diffusers' MiniMaxH3Transformer3DModel config of a tiny model (--tiny: the path on a CPU)
+TINY_H3 = dict(num_attention_heads=2, attention_head_dim=16, hidden_size=32, num_layers=2, num_refiner_layers=1,
+               ffn_dim=64, in_channels=8, audio_in_channels=8, text_dim=32, freq_dim=32, time_embed_hidden_dim=32,
+               time_embed_dim=16, rope_freq_dim=2)
+
+
+def h3_step(args) -> None:
+    """bf16 first (the gates' reference output), then each other precision and attention, then diffusers."""
+    forwarded = flags(args, "num_frames", "height", "width", "text_len", "num_layers", "iters", "repeats", "settle_s",
+                      "tiny")
+    outputs = tempfile.mkdtemp(prefix="mxdit-h3-outputs-")
+    precisions = ["bf16"] + [p for p in args.precisions if p != "bf16"]
+    rows = []
+    for precision in precisions:
+        for attention in args.jax_attention:
+            rows += subprocess_rows(args, "minimax-h3-step-jax", forwarded + [
+                "--precisions", precision, "--jax-attention", attention, "--outputs-dir", outputs])
+    if args.diffusers:
+        rows += subprocess_rows(args, "minimax-h3-step-diffusers", forwarded)
+    step_table(rows, f"MiniMax H3 denoiser evaluation, {args.num_frames} frames of {args.height}x{args.width}, text "
+                     f"{args.text_len}: {rows[0].get('tokens', '?')} tokens")
+    for r in rows:
+        if "gate" in r:
+            g = r["gate"]
+            print(f"{r['name']}: {'passes' if g['passed'] else 'FAILS'} its gate against bf16: video cosine "
+                  f"{g['video_cosine']:.6f}, relative L2 {g['video_relative_l2']:.4g}; audio cosine "
+                  f"{g['audio_cosine']:.6f}, relative L2 {g['audio_relative_l2']:.4g}; non-finite {g['nonfinite']}")
+    write_json(args, rows)
+
+
+def h3_config(args):
+    """The transformer's config: the release's, --num-layers blocks of it, or --tiny's."""
+    import dataclasses
+
+    from mxdit.model.minimax_h3 import MiniMaxH3Config
+
+    if args.tiny:
+        return MiniMaxH3Config(**TINY_H3)
+    cfg = MiniMaxH3Config()
+    return dataclasses.replace(cfg, num_layers=args.num_layers) if args.num_layers else cfg
+
+
+def h3_inputs(cfg, args, seed: int = 0):
+    """The packed text-to-video layout of --num-frames frames of --height x --width with --text-len text tokens, and
+    random inputs of its shapes (numpy): video rows, audio rows, text states; two noise levels."""
+    from mxdit.model import pipeline_minimax_h3 as h3
+
+    frames = h3.align_num_frames(args.num_frames)
+    layout = h3.packed_layout(args.text_len, h3.video_latent_frames(frames), args.height // h3.SPATIAL_COMPRESSION,
+                              args.width // h3.SPATIAL_COMPRESSION, h3.audio_latent_frames(frames), cfg.patch_size)
+    rng = np.random.default_rng(seed)
+    video = rng.standard_normal((1, len(layout.video_indices), cfg.video_patch_dim), np.float32)
+    audio = rng.standard_normal((1, len(layout.audio_indices), cfg.audio_in_channels), np.float32)
+    text = rng.standard_normal((1, args.text_len, cfg.text_dim), np.float32)
+    timestep_indices = np.zeros(layout.length, np.int64)
+    timestep_indices[layout.audio_indices] = 1
+    return layout, video, audio, text, np.array([0.6, 0.7], np.float32), timestep_indices
+
+
+def h3_flops(cfg, tokens: int) -> float:
+    """Matrix-product FLOPs of one evaluation: the blocks' projections and attention (the refiner's few text
+    tokens, the AdaLN rows and the heads are left out)."""
+    inner = cfg.num_attention_heads * cfg.attention_head_dim
+    projections = 4 * cfg.hidden_size * inner + 3 * cfg.hidden_size * cfg.ffn_dim
+    return cfg.num_layers * (2 * tokens * projections + 4 * tokens * tokens * inner)
+
+
+def jax_h3_step(args) -> list[dict]:
+    """Our evaluation (random full-size weights, made tensor by tensor and quantized as made) for --precisions and
+    --jax-attention, a jitted call per evaluation dispatched back to back; the output on the fixed inputs saved
+    (bf16) or gated against the saved bf16 one."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from mxdit.model.layers import RMSNorm
+    from mxdit.model.minimax_h3 import MiniMaxH3Transformer
+    from mxdit.model.pipeline_minimax_h3 import PRECISIONS
+    from mxdit.quant.gates import evaluate
+    from mxdit.quant.model import minimax_h3_rules, quantize_on_load
+
+    from .inputs import random_model
+
+    cfg = h3_config(args)
+    layout, video, audio, text, timestep, timestep_indices = h3_inputs(cfg, args)
+    (precision,), (attention,) = args.precisions, args.jax_attention
+    fmt = PRECISIONS[precision]
+    place = quantize_on_load(minimax_h3_rules(fmt)) if fmt else None
+    model = random_model(lambda: MiniMaxH3Transformer(cfg, dtype=jnp.bfloat16, attention=attention,
+                                                      rngs=nnx.Rngs(0)), place)
+    for _, module in nnx.iter_graph(model):  # norm gains near 1, as trained ones are, so that every block matters
+        if isinstance(module, RMSNorm):
+            module.weight.set_value(1.0 + module.weight.get_value())
+    structure = tuple(jnp.asarray(a) for a in (timestep, timestep_indices, layout.token_tags,
+                                               layout.position_ids.astype(np.float32), layout.video_indices,
+                                               layout.audio_indices, layout.text_indices))
+    video, audio, text = (jnp.asarray(a, jnp.bfloat16) for a in (video, audio, text))
+    graphdef, state = nnx.split(model)
+
+    @jax.jit
+    def evaluation(state, video, audio):
+        v, a = nnx.merge(graphdef, state)(video, audio, text, *structure)
+        return v, a
+
+    def steps(n):
+        v, a = video, audio
+        for _ in range(n):  # each evaluation on the last one's output: nothing to hoist or skip
+            dv, da = evaluation(state, v, a)
+            v, a = (v + 1e-3 * dv).astype(v.dtype), (a + 1e-3 * da).astype(a.dtype)
+        return jax.block_until_ready((v, a))
+
+    row = {"name": f"jax MiniMax H3 {precision}, {model.attention} attention", "tokens": layout.length}
+    try:
+        out = [np.asarray(x, np.float32) for x in evaluation(state, video, audio)]
+        reference = Path(args.outputs_dir) / "bf16.npz" if args.outputs_dir else None
+        if precision == "bf16" and reference is not None and not reference.exists():
+            np.savez(reference, video=out[0], audio=out[1])
+        elif reference is not None and reference.exists():
+            saved = np.load(reference)
+            gates = [evaluate(fmt or "bf16", got, saved[name]) for got, name in zip(out, ("video", "audio"))]
+            row["gate"] = {"passed": all(g.passed for g in gates), "video_cosine": gates[0].cosine,
+                           "video_relative_l2": gates[0].relative_l2, "audio_cosine": gates[1].cosine,
+                           "audio_relative_l2": gates[1].relative_l2, "nonfinite": gates[0].nonfinite
+                           + gates[1].nonfinite, "failures": [f for g in gates for f in g.failures]}
+        row.update(timed(steps, args.iters, args.repeats, args.settle_s))
+        row["tflops"] = h3_flops(cfg, layout.length) / row["s_per_step"] / 1e12
+    except Exception as e:  # an out-of-memory variant is a result too
+        row["error"] = error_text(e)
+    row["peak_gb"] = jax_peak_gb()
+    return [emit(row)]
+
+
+def diffusers_h3_step(args) -> list[dict]:
+    """diffusers' MiniMaxH3Transformer3DModel of random weights in the release's mixed precision (bf16 blocks,
+    float32 input and output projections and timestep MLP), eager, on the same layout."""
+    import torch
+    from diffusers import MiniMaxH3Transformer3DModel
+
+    from .diffusers_side import torch_row
+
+    cfg = h3_config(args)
+    layout, video, audio, text, timestep, timestep_indices = h3_inputs(cfg, args)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    torch.manual_seed(0)
+    torch.set_default_dtype(torch.bfloat16)
+    with torch.device(device):
+        model = MiniMaxH3Transformer3DModel(**({**TINY_H3} if args.tiny else
+                                               {"num_layers": cfg.num_layers})).eval()
+    torch.set_default_dtype(torch.float32)
+    for name in MiniMaxH3Transformer3DModel._keep_in_fp32_modules:
+        getattr(model, name).float()
+
+    def to(a, dtype=None):
+        return torch.from_numpy(np.asarray(a)).to(device, dtype)
+
+    inputs = dict(hidden_states=to(video, torch.bfloat16), audio_hidden_states=to(audio, torch.bfloat16),
+                  encoder_hidden_states=to(text, torch.bfloat16), timestep=to(timestep),
+                  timestep_indices=to(timestep_indices), token_tags=to(layout.token_tags.astype(np.int64)),
+                  position_ids=to(layout.position_ids.astype(np.float32)),
+                  video_indices=to(layout.video_indices), audio_indices=to(layout.audio_indices),
+                  text_indices=to(layout.text_indices), return_dict=False)
+    with torch.no_grad():
+        return [torch_row(f"diffusers MiniMax H3 eager (bf16 blocks), {layout.length} tokens", lambda: model(**inputs),
+                          args, h3_flops(cfg, layout.length), warmup=1)]
