@@ -1,6 +1,6 @@
 """The building blocks every model in `model/` shares: the linear layer, the convolution, rotary tables, timestep
-sinusoids, nearest upsampling, rematerialization of a block and named sharding constraints. Which kernel computes a
-product or an attention is `ops/`'s choice."""
+sinusoids and their MLP, torch's RMSNorm, diffusers' SwiGLU feed-forward, nearest upsampling, rematerialization of a
+block and named sharding constraints. Which kernel computes a product or an attention is `ops/`'s choice."""
 
 from __future__ import annotations
 
@@ -204,3 +204,26 @@ class MLPEmbedder(nnx.Module):
 
     def __call__(self, x):
         return self.linear_2(jax.nn.silu(self.linear_1(x)))
+
+
+class SwiGLU(nnx.Module):
+    """diffusers' SwiGLU: one projection to [hidden | gate], then `hidden * silu(gate)`."""
+
+    def __init__(self, dim: int, inner: int, *, bias: bool, dtype, rngs: nnx.Rngs):
+        self.proj = Linear(dim, 2 * inner, bias=bias, dtype=dtype, rngs=rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        hidden, gate = jnp.split(self.proj(x), 2, axis=-1)
+        return hidden * jax.nn.silu(gate)
+
+
+class FeedForward(nnx.Module):
+    """diffusers' `FeedForward(activation_fn="swiglu")`: `net.0` the SwiGLU, `net.1` its dropout, `net.2` the output
+    projection."""
+
+    def __init__(self, dim: int, inner: int, *, bias: bool, dtype, rngs: nnx.Rngs):
+        self.net = nnx.List([SwiGLU(dim, inner, bias=bias, dtype=dtype, rngs=rngs), NoParams(),
+                             Linear(inner, dim, bias=bias, dtype=dtype, rngs=rngs)])
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.net[2](self.net[0](x))

@@ -24,7 +24,7 @@ from flax import nnx
 from mxdit.ops.attention import AttentionFn, attention, attention_implementation
 from mxdit.ops.names import AttentionKernel
 
-from .layers import Linear, MLPEmbedder, NoParams, RMSNorm, remat_call, timestep_sinusoids
+from .layers import FeedForward, Linear, MLPEmbedder, NoParams, RMSNorm, remat_call, timestep_sinusoids
 from .loading import CheckpointError, KeyMap, config_from_dict, load_state, open_checkpoint, read_json
 
 # The modalities a row of the packed sequence is tagged with (`token_tags`), and so the AdaLN table's rows per timestep
@@ -122,26 +122,6 @@ class Attention(nnx.Module):
         return self.to_out[0](out.reshape(batch, seq, -1))
 
 
-class SwiGLUProj(nnx.Module):
-    """diffusers' SwiGLU: one projection to [hidden | gate], then `hidden * silu(gate)`."""
-
-    def __init__(self, dim: int, inner: int, *, dtype, rngs: nnx.Rngs):
-        self.proj = Linear(dim, 2 * inner, bias=False, dtype=dtype, rngs=rngs)
-
-    def __call__(self, x: jax.Array) -> jax.Array:
-        hidden, gate = jnp.split(self.proj(x), 2, axis=-1)
-        return hidden * jax.nn.silu(gate)
-
-
-class FeedForward(nnx.Module):
-    def __init__(self, dim: int, inner: int, *, dtype, rngs: nnx.Rngs):
-        self.net = nnx.List([SwiGLUProj(dim, inner, dtype=dtype, rngs=rngs), NoParams(),
-                             Linear(inner, dim, bias=False, dtype=dtype, rngs=rngs)])
-
-    def __call__(self, x: jax.Array) -> jax.Array:
-        return self.net[2](self.net[0](x))
-
-
 class RefinerBlock(nnx.Module):
     """Pre-norm attention and SwiGLU over the text rows alone: no modulation, no rotary embedding."""
 
@@ -151,7 +131,7 @@ class RefinerBlock(nnx.Module):
         self.attn = Attention(dim, cfg.num_attention_heads, cfg.attention_head_dim, cfg.qk_norm_eps, dtype=dtype,
                               rngs=rngs)
         self.norm2 = RMSNorm(dim, cfg.norm_eps, dtype=dtype)
-        self.ff = FeedForward(dim, cfg.ffn_dim, dtype=dtype, rngs=rngs)
+        self.ff = FeedForward(dim, cfg.ffn_dim, bias=False, dtype=dtype, rngs=rngs)
 
     def __call__(self, x: jax.Array, implementation: AttentionKernel | AttentionFn) -> jax.Array:
         x = x + self.attn(self.norm1(x), None, implementation)
@@ -196,7 +176,7 @@ class TransformerBlock(nnx.Module):
         self.attn = Attention(dim, cfg.num_attention_heads, cfg.attention_head_dim, cfg.qk_norm_eps, dtype=dtype,
                               rngs=rngs)
         self.norm2 = RMSNorm(dim, cfg.norm_eps, dtype=dtype)
-        self.ff = FeedForward(dim, cfg.ffn_dim, dtype=dtype, rngs=rngs)
+        self.ff = FeedForward(dim, cfg.ffn_dim, bias=False, dtype=dtype, rngs=rngs)
         self.adaln_proj = AdaLNModulation(cfg.time_embed_dim, dim, dtype=dtype, rngs=rngs)
 
     def __call__(self, x, temb, adaln_indices, rotary, implementation: AttentionKernel | AttentionFn):

@@ -30,7 +30,7 @@ from flax import nnx
 from mxdit.ops.attention import attention, attention_implementation
 from mxdit.ops.names import AttentionKernel
 
-from .layers import Linear, NoParams, RMSNorm
+from .layers import FeedForward, Linear, NoParams, RMSNorm
 from .loading import CheckpointError, KeyMap, config_from_dict, load_state, open_checkpoint, read_json
 from .programs import stored_jit
 
@@ -304,26 +304,6 @@ class Attention(nnx.Module):
         return self.to_out[0](out.reshape(batch, seq, -1))
 
 
-class SwiGLU(nnx.Module):
-    """diffusers' SwiGLU: one projection to [hidden | gate], then `hidden * silu(gate)`."""
-
-    def __init__(self, dim: int, inner: int, *, dtype, rngs: nnx.Rngs):
-        self.proj = Linear(dim, 2 * inner, bias=True, dtype=dtype, rngs=rngs)
-
-    def __call__(self, x: jax.Array) -> jax.Array:
-        hidden, gate = jnp.split(self.proj(x), 2, axis=-1)
-        return hidden * jax.nn.silu(gate)
-
-
-class FeedForward(nnx.Module):
-    def __init__(self, dim: int, inner: int, *, dtype, rngs: nnx.Rngs):
-        self.net = nnx.List([SwiGLU(dim, inner, dtype=dtype, rngs=rngs), NoParams(),
-                             Linear(inner, dim, bias=True, dtype=dtype, rngs=rngs)])
-
-    def __call__(self, x: jax.Array) -> jax.Array:
-        return self.net[2](self.net[0](x))
-
-
 class TransformerBlock(nnx.Module):
     """Pre-norm attention and SwiGLU, each added back scaled per channel by a learned `scale1` / `scale2`. The norms,
     the scales and so the residual stream are float32 whatever `dtype` the projections have."""
@@ -337,7 +317,7 @@ class TransformerBlock(nnx.Module):
                               rngs=rngs)
         self.scale1 = nnx.Param(jnp.zeros((dim,), jnp.float32))
         self.norm2 = RMSNorm(dim, eps, dtype=jnp.float32)
-        self.ff = FeedForward(dim, dim * cfg.decoder_ffn_mult, dtype=dtype, rngs=rngs)
+        self.ff = FeedForward(dim, dim * cfg.decoder_ffn_mult, bias=True, dtype=dtype, rngs=rngs)
         self.scale2 = nnx.Param(jnp.zeros((dim,), jnp.float32))
 
     def __call__(self, x: jax.Array, rotary: tuple[jax.Array, jax.Array], implementation: AttentionKernel) -> jax.Array:
