@@ -96,6 +96,23 @@ def demo(tmp_path_factory):
     return h3.demo_pipeline(tmp_path_factory.mktemp("tokenizer"))
 
 
+def test_mp4_holds_every_frame_and_both_sound_channels(tmp_path):
+    av = pytest.importorskip("av")
+    from mxdit.model.video_file import write_mp4
+
+    frames = np.random.default_rng(0).integers(0, 256, (30, 32, 48, 3), dtype=np.uint8)
+    t = np.arange(32000 * 30 // 24) / 32000
+    write_mp4(tmp_path / "x.mp4", frames, 24, 0.5 * np.stack([np.sin(2200 * t), np.sin(3300 * t)]), 32000)
+    with av.open(str(tmp_path / "x.mp4")) as container:
+        assert (container.streams.audio[0].rate, container.streams.audio[0].channels) == (32000, 2)
+        decoded = [f.to_ndarray(format="rgb24") for f in container.decode(video=0)]
+    assert len(decoded) == 30 and decoded[0].shape == (32, 48, 3)
+    with pytest.raises(ValueError, match="even height and width"):
+        write_mp4(tmp_path / "y.mp4", frames[:, :31], 24)
+    assert not (tmp_path / "y.mp4").exists()
+
+
+@pytest.mark.slow  # about 25 s: the demo pipeline built and run by the script
 def test_generate_video_writes_an_mp4_with_stereo_sound(tmp_path):
     av = pytest.importorskip("av")
     output = tmp_path / "fox.mp4"
