@@ -69,6 +69,19 @@ def test_qwen3_vocab_and_merges_folder_gives_the_krea2_pipeline_ids(reference):
 
 
 @needs_shared
+def test_qwen3_vocabulary_gives_minimax_h3_its_verbatim_prompt_ids(reference):
+    tokenizer = TextTokenizer.from_folder(TOKENIZERS / "qwen3")
+    offsets = reference["minimax_h3_offsets"]
+    for i, prompt in enumerate(PROMPTS):
+        want = reference["minimax_h3_ids"][offsets[i] : offsets[i + 1]]
+        if not len(want):  # the empty prompt: no tokens (the pipeline refuses it)
+            continue
+        ids, mask = tokenizer([prompt])
+        np.testing.assert_array_equal(ids[0], want, err_msg=repr(prompt))
+        assert mask.all()
+
+
+@needs_shared
 def test_krea2_template_is_34_prefix_and_5_suffix_tokens_with_the_real_vocabulary(reference):
     tokenizer = TextTokenizer.from_folder(TOKENIZERS / "qwen3")
     prefix, _ = tokenizer([PROMPT_PREFIX])
