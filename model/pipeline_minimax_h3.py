@@ -361,11 +361,8 @@ class MiniMaxH3Pipeline:
         the hidden state after layer `text_encoder_layer`."""
         if not isinstance(prompt, str) or not prompt.strip():
             raise ValueError(f"prompt: a non-empty string, got {prompt!r}")
-        ids, mask = self.tokenizer([prompt])
-        positions = np.arange(ids.shape[1], dtype=np.int32)[None]  # text only: the three rotary axes agree
-        states = self.text_encoder(jnp.asarray(ids), jnp.asarray(mask), jnp.asarray(positions),
-                                   (self.text_encoder_layer,))
-        return states[:, :, 0]
+        ids, _ = self.tokenizer([prompt])
+        return conditioning(self.text_encoder, ids, self.text_encoder_layer)
 
     def __call__(self, prompt: str, *, num_frames: int = DEFAULT_FRAMES, height: int | None = None,
                  width: int | None = None, num_steps: int = DEFAULT_STEPS, seed: int = 0,
@@ -414,6 +411,15 @@ class MiniMaxH3Pipeline:
         return VideoOutput(unit_range_to_uint8(np.asarray(video[0])), np.asarray(audio, np.float32), FPS,
                            self.audio_vae.config.sampling_rate, np.asarray(latents[0]), np.asarray(audio_latents),
                            timings)
+
+
+def conditioning(text_encoder: Qwen3VLTextEncoder, ids: np.ndarray, layer: int) -> jax.Array:
+    """The conditioner's hidden state after decoder layer `layer` for token ids (1, tokens): (1, tokens, hidden), as
+    diffusers' `get_qwen3vl_prompt_embeds` reads it for a text-only presentation (every token real; the three rotary
+    axes of a text token agree, so its positions are 0, 1, ...)."""
+    positions = np.arange(ids.shape[1], dtype=np.int32)[None]
+    states = text_encoder(jnp.asarray(ids), jnp.ones(ids.shape, bool), jnp.asarray(positions), (layer,))
+    return states[:, :, 0]
 
 
 def _weight_format(precision: str) -> str | None:

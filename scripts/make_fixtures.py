@@ -74,6 +74,7 @@ GROUPS = {
     "minimax_h3_audio_vae": (minimax_h3_audio_vae.write_minimax_h3_audio_vae, "minimax_h3/audio_vae"),
     "minimax_h3_vae": (minimax_h3_vae.write_minimax_h3_vae, "minimax_h3/vae"),
     "minimax_h3_released_keys": (minimax_h3.write_minimax_h3_released_keys, "minimax_h3"),
+    "minimax_h3_conditioner": (minimax_h3.write_minimax_h3_conditioner, "minimax_h3"),
 }
 
 

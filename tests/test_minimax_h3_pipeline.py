@@ -207,3 +207,14 @@ def test_generate_video_offers_every_precision_the_pipeline_takes():
     assert set(action.choices) == set(h3.PRECISIONS)
     with pytest.raises(ValueError, match="precision 'fp4'"):
         h3.demo_pipeline("unused", precision="fp4")
+
+
+def test_the_conditioning_is_diffusers_hidden_state_at_the_tapped_layer():
+    from mxdit.model.qwen3vl_text import Qwen3VLTextEncoder
+
+    ref = dict(np.load(FIXTURES / "minimax_h3" / "conditioner_reference.npz"))
+    # a Qwen3VLForConditionalGeneration folder: vision tower and LM head skipped
+    encoder = Qwen3VLTextEncoder.from_pretrained(FIXTURES / "minimax_h3" / "text_encoder", jnp.float32)
+    states = h3.conditioning(encoder, ref["token_ids"][None], int(ref["layer"]))
+    assert states.shape == ref["prompt_embeds"].shape
+    assert relative_l2(states, ref["prompt_embeds"]) <= 1e-6  # measured 5.1e-7
