@@ -15,8 +15,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from .clip_text import CLIPTextConfig, Encoder, LayerNorm, TextTransformer
-from .layers import Linear
+from .clip_text import CLIPTextConfig, Encoder, TextTransformer
+from .layers import LayerNorm, Linear
 from .loading import KeyMap, known_config, load_state, open_checkpoint, read_json
 
 # CLIPImageProcessor's defaults: the released CLIP models' preprocessing

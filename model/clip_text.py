@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from .layers import Linear
+from .layers import LayerNorm, Linear
 from .loading import Checkpoint, KeyMap, known_config, load_state, open_checkpoint, read_json
 
 
@@ -37,20 +37,6 @@ class CLIPTextConfig:
 
 ACTIVATIONS = {"quick_gelu": lambda x: x * jax.nn.sigmoid(1.702 * x),
                "gelu": lambda x: jax.nn.gelu(x, approximate=False)}
-
-
-class LayerNorm(nnx.Module):
-    def __init__(self, dim: int, eps: float, *, dtype):
-        self.eps = eps
-        self.weight = nnx.Param(jnp.ones((dim,), dtype))
-        self.bias = nnx.Param(jnp.zeros((dim,), dtype))
-
-    def __call__(self, x):
-        x32 = x.astype(jnp.float32)
-        mean = jnp.mean(x32, -1, keepdims=True)
-        var = jnp.mean(jnp.square(x32 - mean), -1, keepdims=True)
-        y = (x32 - mean) * jax.lax.rsqrt(var + self.eps)
-        return (y * self.weight[...].astype(jnp.float32) + self.bias[...].astype(jnp.float32)).astype(x.dtype)
 
 
 class Attention(nnx.Module):

@@ -1,6 +1,7 @@
 """The building blocks every model in `model/` shares: the linear layer, the convolution, rotary tables, timestep
-sinusoids and their MLP, torch's RMSNorm, diffusers' SwiGLU feed-forward, nearest upsampling, rematerialization of a
-block and named sharding constraints. Which kernel computes a product or an attention is `ops/`'s choice."""
+sinusoids and their MLP, torch's RMSNorm and LayerNorm, diffusers' SwiGLU feed-forward, nearest upsampling,
+rematerialization of a block and named sharding constraints. Which kernel computes a product or an attention is
+`ops/`'s choice."""
 
 from __future__ import annotations
 
@@ -227,3 +228,19 @@ class FeedForward(nnx.Module):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         return self.net[2](self.net[0](x))
+
+
+class LayerNorm(nnx.Module):
+    """`torch.nn.LayerNorm` over the last axis, with weight and bias, computed in float32 and cast back."""
+
+    def __init__(self, dim: int, eps: float, *, dtype):
+        self.eps = eps
+        self.weight = nnx.Param(jnp.ones((dim,), dtype))
+        self.bias = nnx.Param(jnp.zeros((dim,), dtype))
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x32 = x.astype(jnp.float32)
+        mean = jnp.mean(x32, -1, keepdims=True)
+        var = jnp.mean(jnp.square(x32 - mean), -1, keepdims=True)
+        y = (x32 - mean) * jax.lax.rsqrt(var + self.eps)
+        return (y * self.weight[...].astype(jnp.float32) + self.bias[...].astype(jnp.float32)).astype(x.dtype)

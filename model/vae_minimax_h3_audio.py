@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from .layers import Linear
+from .layers import LayerNorm, Linear
 from .loading import (Checkpoint, CheckpointError, DerivedCheckpoint, KeyMap, config_from_dict, load_state,
                       open_checkpoint, read_json)
 from .programs import stored_jit
@@ -125,22 +125,6 @@ class ConvTranspose1d(nnx.Module):
         y = jax.lax.conv_general_dilated(x, jnp.flip(self.weight[...], -1), (1,), [(edge, edge)],
                                          lhs_dilation=(self.stride,), dimension_numbers=("NWC", "IOW", "NWC"))
         return y + self.bias[...]
-
-
-class LayerNorm(nnx.Module):
-    """`torch.nn.LayerNorm` over the last axis (eps 1e-5), computed in float32."""
-
-    def __init__(self, dim: int, eps: float = 1e-5, *, dtype):
-        self.eps = eps
-        self.weight = nnx.Param(jnp.ones((dim,), dtype))
-        self.bias = nnx.Param(jnp.zeros((dim,), dtype))
-
-    def __call__(self, x: jax.Array) -> jax.Array:
-        x32 = x.astype(jnp.float32)
-        mean = jnp.mean(x32, -1, keepdims=True)
-        var = jnp.mean(jnp.square(x32 - mean), -1, keepdims=True)
-        y = (x32 - mean) * jax.lax.rsqrt(var + self.eps)
-        return (y * self.weight[...].astype(jnp.float32) + self.bias[...].astype(jnp.float32)).astype(x.dtype)
 
 
 class Snake1d(nnx.Module):
@@ -352,7 +336,7 @@ class GeGluMlp(nnx.Module):
     """Pre-norm GeGLU: `w2(gelu_tanh(w0(norm(x))) * w1(norm(x)))`."""
 
     def __init__(self, dim: int, hidden: int, *, dtype, rngs: nnx.Rngs):
-        self.norm = LayerNorm(dim, dtype=dtype)
+        self.norm = LayerNorm(dim, 1e-5, dtype=dtype)
         self.w0 = Linear(dim, hidden, bias=True, dtype=dtype, rngs=rngs)
         self.w1 = Linear(dim, hidden, bias=True, dtype=dtype, rngs=rngs)
         self.w2 = Linear(hidden, dim, bias=True, dtype=dtype, rngs=rngs)
@@ -367,11 +351,11 @@ class AttnProjection(nnx.Module):
     GeGLU MLP."""
 
     def __init__(self, in_dim: int, out_dim: int, heads: int, mlp_ratio: int = 2, *, dtype, rngs: nnx.Rngs):
-        self.norm1 = LayerNorm(in_dim, dtype=dtype)
+        self.norm1 = LayerNorm(in_dim, 1e-5, dtype=dtype)
         self.attn = CausalAttention(in_dim, out_dim, heads, dtype=dtype, rngs=rngs)
         self.proj = Linear(in_dim, out_dim, bias=True, dtype=dtype, rngs=rngs)
-        self.norm3 = LayerNorm(in_dim, dtype=dtype)
-        self.norm2 = LayerNorm(out_dim, dtype=dtype)
+        self.norm3 = LayerNorm(in_dim, 1e-5, dtype=dtype)
+        self.norm2 = LayerNorm(out_dim, 1e-5, dtype=dtype)
         self.mlp = GeGluMlp(out_dim, out_dim * mlp_ratio, dtype=dtype, rngs=rngs)
 
     def __call__(self, x: jax.Array) -> jax.Array:
