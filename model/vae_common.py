@@ -1,5 +1,5 @@
-"""What the VAEs share: checks of their inputs, and tiled encoding and decoding so that large images go through a
-VAE in bounded memory.
+"""What the VAEs share: checks of their inputs, their latents' per-channel normalisation, and tiled encoding and
+decoding so that large images go through a VAE in bounded memory.
 
 The input is cut into overlapping square tiles, each tile goes through the network alone (one compiled program per
 tile shape), and neighbouring outputs are cross-faded over `blend` rows and columns. This is diffusers' algorithm,
@@ -15,6 +15,26 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+
+class PerChannelLatents:
+    """`normalize_latents` / `denormalize_latents` for a VAE whose config holds `latents_mean` and `latents_std`, one
+    value a latent channel (the last axis): the one place where those statistics are applied."""
+
+    def normalize_latents(self, z: jax.Array) -> jax.Array:
+        """VAE latents -> the normalised latents the transformer is trained on: (z - mean) / std per channel."""
+        mean, std = self._latent_statistics()
+        return ((z - mean) / std).astype(z.dtype)
+
+    def denormalize_latents(self, z: jax.Array) -> jax.Array:
+        """Inverse of `normalize_latents`: z * std + mean per channel."""
+        mean, std = self._latent_statistics()
+        return (z * std + mean).astype(z.dtype)
+
+    def _latent_statistics(self) -> tuple[jax.Array, jax.Array]:
+        if self.config.latents_mean is None or self.config.latents_std is None:
+            raise ValueError("the config has no latents_mean / latents_std to normalise latents with")
+        return jnp.asarray(self.config.latents_mean), jnp.asarray(self.config.latents_std)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -33,6 +33,7 @@ from mxdit.ops.names import AttentionKernel
 from .layers import FeedForward, Linear, NoParams, RMSNorm
 from .loading import CheckpointError, KeyMap, config_from_dict, load_state, open_checkpoint, read_json
 from .programs import stored_jit
+from .vae_common import PerChannelLatents
 
 # The pixel convention of the VAE (the pipeline's `pixel_mean` / `pixel_std`): ImageNet statistics over [0, 1] RGB.
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
@@ -392,7 +393,7 @@ class SpatialTiling:
     min_overlap: int = 64
 
 
-class MiniMaxH3VideoVAE(nnx.Module):
+class MiniMaxH3VideoVAE(PerChannelLatents, nnx.Module):
     """Encode videos to latents and decode them back.
 
     `encode` returns the posterior mean (`encode_moments` also its log-variance, for sampling as the pipeline does),
@@ -428,16 +429,6 @@ class MiniMaxH3VideoVAE(nnx.Module):
         """Inverse of `to_vae_pixels` (unclamped), float32."""
         mean, std = jnp.asarray(IMAGENET_MEAN), jnp.asarray(IMAGENET_STD)
         return (pixels.astype(jnp.float32) * std + mean) * 2.0 - 1.0
-
-    def normalize_latents(self, z: jax.Array) -> jax.Array:
-        """VAE latents -> the normalised latents the transformer is trained on: (z - mean) / std per channel."""
-        mean, std = jnp.asarray(self.config.latents_mean), jnp.asarray(self.config.latents_std)
-        return ((z - mean) / std).astype(z.dtype)
-
-    def denormalize_latents(self, z: jax.Array) -> jax.Array:
-        """Inverse of `normalize_latents`: z * std + mean per channel."""
-        mean, std = jnp.asarray(self.config.latents_mean), jnp.asarray(self.config.latents_std)
-        return (z * std + mean).astype(z.dtype)
 
     # -- encode --------------------------------------------------------------------------------------------------------
 

@@ -31,6 +31,7 @@ from .layers import LayerNorm, Linear
 from .loading import (Checkpoint, CheckpointError, DerivedCheckpoint, KeyMap, config_from_dict, load_state,
                       open_checkpoint, read_json)
 from .programs import stored_jit
+from .vae_common import PerChannelLatents
 
 
 @dataclasses.dataclass(frozen=True)
@@ -430,7 +431,7 @@ class Decoder(nnx.Module):
 # The VAE
 
 
-class MiniMaxH3AudioVAE(nnx.Module):
+class MiniMaxH3AudioVAE(PerChannelLatents, nnx.Module):
     """Encode mono waveforms to audio latents and decode them back.
 
     `encode` returns the posterior mean (what MiniMax H3 conditions on), `encode_posterior` the mean and log standard
@@ -448,23 +449,6 @@ class MiniMaxH3AudioVAE(nnx.Module):
         self.logs_proj = Conv1d(z, z, 1, dtype=dtype, rngs=rngs)
         self.dec_in_proj = Conv1d(z, config.latent_dim, 1, dtype=dtype, rngs=rngs)
         self.decoder = Decoder(config, dtype=dtype, rngs=rngs)
-
-    # -- latent normalisation: the one place where the config's statistics are applied ---------------------------------
-
-    def _statistics(self) -> tuple[jax.Array, jax.Array]:
-        if self.config.latents_mean is None or self.config.latents_std is None:
-            raise ValueError("the config has no latents_mean / latents_std to normalise latents with")
-        return jnp.asarray(self.config.latents_mean), jnp.asarray(self.config.latents_std)
-
-    def normalize_latents(self, z: jax.Array) -> jax.Array:
-        """VAE latents (..., latent_channels) -> the transformer's: (z - mean) / std per channel."""
-        mean, std = self._statistics()
-        return ((z - mean) / std).astype(z.dtype)
-
-    def denormalize_latents(self, z: jax.Array) -> jax.Array:
-        """Inverse of `normalize_latents`: z * std + mean per channel."""
-        mean, std = self._statistics()
-        return (z * std + mean).astype(z.dtype)
 
     # -- encode / decode -----------------------------------------------------------------------------------------------
 

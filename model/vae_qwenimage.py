@@ -24,7 +24,7 @@ from flax import nnx
 
 from .layers import Conv2d, upsample_nearest_2x
 from .loading import Checkpoint, CheckpointError, KeyMap, config_from_dict, load_state, open_checkpoint, read_json
-from .vae_common import Tiling, check_images, check_latents, tiled_apply
+from .vae_common import PerChannelLatents, Tiling, check_images, check_latents, tiled_apply
 from .programs import stored_jit
 
 # fmt: off
@@ -197,7 +197,7 @@ class Decoder(nnx.Module):
         return self.conv_out(jax.nn.silu(self.norm_out(x)))
 
 
-class QwenImageVAE(nnx.Module):
+class QwenImageVAE(PerChannelLatents, nnx.Module):
     """Encode images to latents and decode them back.
 
     `encode` returns the posterior mean, `decode` images clamped to [-1, 1]; with `tiled=True` both go tile by tile
@@ -213,18 +213,6 @@ class QwenImageVAE(nnx.Module):
         self.quant_conv = Conv2d(config.z_dim * 2, config.z_dim * 2, 1, dtype=dtype, rngs=rngs)
         self.post_quant_conv = Conv2d(config.z_dim, config.z_dim, 1, dtype=dtype, rngs=rngs)
         self.decoder = Decoder(config, dtype=dtype, rngs=rngs)
-
-    # -- latent normalisation: the one place where the VAE's latent statistics are applied ---------------------------
-
-    def normalize_latents(self, z: jax.Array) -> jax.Array:
-        """VAE latents -> the normalised latents the transformer is trained on: (z - mean) / std per channel."""
-        mean, std = jnp.asarray(self.config.latents_mean), jnp.asarray(self.config.latents_std)
-        return ((z - mean) / std).astype(z.dtype)
-
-    def denormalize_latents(self, z: jax.Array) -> jax.Array:
-        """Inverse of `normalize_latents`: z * std + mean per channel."""
-        mean, std = jnp.asarray(self.config.latents_mean), jnp.asarray(self.config.latents_std)
-        return (z * std + mean).astype(z.dtype)
 
     # -- encode / decode -----------------------------------------------------------------------------------------------
 
