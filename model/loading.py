@@ -80,6 +80,19 @@ def config_from_dict(cls: type[T], data: Mapping[str, Any], source: str) -> T:
         raise CheckpointError(f"{source}: invalid {cls.__name__}: {e}") from None
 
 
+def folder_config(cls: type[T], path: Path, config: T | str | Path | None) -> T:
+    """The config a model at `path` loads with: `config` as given (a `cls` or a config.json path), else the
+    config.json of the folder `path`. A single file without `config` is refused: it holds no sizes of its own."""
+    if isinstance(config, (str, Path)):
+        return cls.from_json(config)
+    if config is not None:
+        return config
+    if not path.is_dir():
+        raise CheckpointError(f"{path}: a single file holds no config; pass config= (a {cls.__name__} or a "
+                              "config.json path)")
+    return cls.from_json(path / "config.json")
+
+
 def known_config(cls: type[T], data: Mapping[str, Any], source: str) -> T:
     """`config_from_dict` on the keys of `data` that `cls` has: a transformers config.json holds many settings (token
     ids of generation, dropout, architectures) the models do not use, and says nothing by holding them."""

@@ -25,7 +25,7 @@ from mxdit.ops.attention import AttentionFn, attention, attention_implementation
 from mxdit.ops.names import AttentionKernel
 
 from .layers import FeedForward, Linear, MLPEmbedder, NoParams, RMSNorm, remat_call, timestep_sinusoids
-from .loading import CheckpointError, KeyMap, config_from_dict, load_state, open_checkpoint, read_json
+from .loading import KeyMap, config_from_dict, folder_config, load_state, open_checkpoint, read_json
 
 # The modalities a row of the packed sequence is tagged with (`token_tags`), and so the AdaLN table's rows per timestep
 VIDEO, TEXT, AUDIO = 0, 1, 2
@@ -306,13 +306,7 @@ class MiniMaxH3Transformer(nnx.Module):
         """Load a diffusers `transformer/` folder (config.json with one safetensors file or shards and their
         `.index.json`), or a single `.safetensors` file with diffusers key names and `config`."""
         path = Path(path)
-        if isinstance(config, (str, Path)):
-            config = MiniMaxH3Config.from_json(config)
-        if config is None and path.is_dir():
-            config = MiniMaxH3Config.from_json(path / "config.json")
-        if config is None:
-            raise CheckpointError(f"{path}: a single file holds no config; pass config= (a MiniMaxH3Config or a "
-                                  "config.json path)")
+        config = folder_config(MiniMaxH3Config, path, config)
         keys = KeyMap(open_checkpoint(path, "diffusion_pytorch_model"))
         return load_state(lambda: cls(config, dtype=dtype, attention=attention, rngs=nnx.Rngs(0)), keys,
                           source=str(path))

@@ -31,7 +31,7 @@ from mxdit.ops.attention import attention, attention_implementation
 from mxdit.ops.names import AttentionKernel
 
 from .layers import FeedForward, Linear, NoParams, RMSNorm
-from .loading import CheckpointError, KeyMap, config_from_dict, load_state, open_checkpoint, read_json
+from .loading import KeyMap, config_from_dict, folder_config, load_state, open_checkpoint, read_json
 from .programs import stored_jit
 from .vae_common import PerChannelLatents
 
@@ -549,13 +549,7 @@ class MiniMaxH3VideoVAE(PerChannelLatents, nnx.Module):
         """Load a diffusers `vae/` folder (config.json and diffusion_pytorch_model.safetensors), or a single
         `.safetensors` file with diffusers key names and `config`."""
         path = Path(path)
-        if isinstance(config, (str, Path)):
-            config = MiniMaxH3VAEConfig.from_json(config)
-        if config is None and path.is_dir():
-            config = MiniMaxH3VAEConfig.from_json(path / "config.json")
-        if config is None:
-            raise CheckpointError(f"{path}: a single file holds no config; pass config= (a MiniMaxH3VAEConfig or a "
-                                  "config.json path)")
+        config = folder_config(MiniMaxH3VAEConfig, path, config)
         keys = KeyMap(open_checkpoint(path, "diffusion_pytorch_model"))
         return load_state(lambda: cls(config, dtype=dtype, attention=attention, rngs=nnx.Rngs(0)), keys,
                           source=str(path))

@@ -28,8 +28,8 @@ import numpy as np
 from flax import nnx
 
 from .layers import LayerNorm, Linear
-from .loading import (Checkpoint, CheckpointError, DerivedCheckpoint, KeyMap, config_from_dict, load_state,
-                      open_checkpoint, read_json)
+from .loading import (Checkpoint, CheckpointError, DerivedCheckpoint, KeyMap, config_from_dict, folder_config,
+                      load_state, open_checkpoint, read_json)
 from .programs import stored_jit
 from .vae_common import PerChannelLatents
 
@@ -482,12 +482,7 @@ class MiniMaxH3AudioVAE(PerChannelLatents, nnx.Module):
         """Load from a diffusers `audio_vae/` folder (config.json and diffusion_pytorch_model.safetensors), or a
         single `.safetensors` file with diffusers' key names and `config` given."""
         path = Path(path)
-        if isinstance(config, (str, Path)):
-            config = MiniMaxH3AudioVAEConfig.from_json(config)
-        if config is None:
-            if not path.is_dir():
-                raise CheckpointError(f"{path}: a single file needs its config (config=...)")
-            config = MiniMaxH3AudioVAEConfig.from_json(path / "config.json")
+        config = folder_config(MiniMaxH3AudioVAEConfig, path, config)
         keys = cls.key_map(open_checkpoint(path, "diffusion_pytorch_model"))
         return load_state(lambda: cls(config, dtype=dtype, rngs=nnx.Rngs(0)), keys, source=str(path))
 
