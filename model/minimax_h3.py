@@ -114,7 +114,8 @@ class Attention(nnx.Module):
         """x: (batch, seq, dim) -> (batch, seq, dim). `rotary`: `rotary_tables`' cos and sin, or None (the text
         refiner)."""
         batch, seq, _ = x.shape
-        q, k, v = (layer(x).reshape(batch, seq, self.heads, self.head_dim) for layer in (self.to_q, self.to_k, self.to_v))
+        q, k, v = (layer(x).reshape(batch, seq, self.heads, self.head_dim)
+                   for layer in (self.to_q, self.to_k, self.to_v))
         q, k = self.norm_q(q), self.norm_k(k)
         if rotary is not None:
             q, k = apply_rotary_half(q, *rotary), apply_rotary_half(k, *rotary)
@@ -166,18 +167,13 @@ class AdaLNModulation(nnx.Module):
         return mod.reshape(-1, 6, self.dim)
 
 
-class TransformerBlock(nnx.Module):
+class TransformerBlock(RefinerBlock):
     """Modulated RMSNorm -> attention, modulated RMSNorm -> SwiGLU, each added back through its gate; the
-    modulation chosen per row of the packed sequence."""
+    modulation chosen per row of the packed sequence. A refiner block's layers and an AdaLN projection."""
 
     def __init__(self, cfg: MiniMaxH3Config, *, dtype, rngs: nnx.Rngs):
-        dim = cfg.hidden_size
-        self.norm1 = RMSNorm(dim, cfg.norm_eps, dtype=dtype)
-        self.attn = Attention(dim, cfg.num_attention_heads, cfg.attention_head_dim, cfg.qk_norm_eps, dtype=dtype,
-                              rngs=rngs)
-        self.norm2 = RMSNorm(dim, cfg.norm_eps, dtype=dtype)
-        self.ff = FeedForward(dim, cfg.ffn_dim, bias=False, dtype=dtype, rngs=rngs)
-        self.adaln_proj = AdaLNModulation(cfg.time_embed_dim, dim, dtype=dtype, rngs=rngs)
+        super().__init__(cfg, dtype=dtype, rngs=rngs)
+        self.adaln_proj = AdaLNModulation(cfg.time_embed_dim, cfg.hidden_size, dtype=dtype, rngs=rngs)
 
     def __call__(self, x, temb, adaln_indices, rotary, implementation: AttentionKernel | AttentionFn):
         """x: (batch, seq, dim); temb: (timesteps, time_embed_dim); adaln_indices: (seq,) the AdaLN table row of
