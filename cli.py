@@ -106,6 +106,15 @@ def check_model_arguments(parser: argparse.ArgumentParser, args: argparse.Namesp
     args.dtype = args.dtype or ("fp32" if args.demo else "bf16")
 
 
+def check_output(parser: argparse.ArgumentParser, output: Path, overwrite: bool) -> None:
+    """--output's one-line refusals: a file that exists without --overwrite (nothing a user has is replaced unasked),
+    a folder that does not."""
+    if output.exists() and not overwrite:
+        parser.error(f"--output {output}: already exists (pass --overwrite to replace)")
+    if not output.parent.is_dir():
+        parser.error(f"--output {output}: folder {output.parent} does not exist")
+
+
 def lora_flags(parser: argparse.ArgumentParser, specs: list[str]) -> list[tuple[Path, float]]:
     """--lora FILE[:WEIGHT] flags as (path, weight) pairs; a bad weight or a missing file exits naming it."""
     if not specs:

@@ -16,7 +16,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from mxdit.cli import OneLineErrorParser
+from mxdit.cli import OneLineErrorParser, check_output
 
 MULTIPLE = 32  # the VAE's 16x times the transformer's 2x2 patch
 
@@ -70,10 +70,7 @@ def parse_args(argv=None):
         parser.error(f"--steps {args.steps}: must be between 2 and 1000")
     if args.output.suffix.lower() != ".mp4":
         parser.error(f"--output {args.output}: must end in .mp4")
-    if args.output.exists() and not args.overwrite:
-        parser.error(f"--output {args.output}: already exists (pass --overwrite to replace)")
-    if not args.output.parent.is_dir():
-        parser.error(f"--output {args.output}: folder {args.output.parent} does not exist")
+    check_output(parser, args.output, args.overwrite)
     return args
 
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from mxdit.cli import OneLineErrorParser
+from mxdit.cli import OneLineErrorParser, check_output
 
 
 def size_table() -> list[tuple[str, str, int]]:
@@ -89,10 +89,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         parser.error(f"{' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} required (or --sizes)")
     if not args.model.exists():
         parser.error(f"--model {args.model}: no such file or folder")
-    if args.output.exists() and not args.overwrite:
-        parser.error(f"--output {args.output}: already exists (pass --overwrite to replace)")
-    if not args.output.parent.is_dir():
-        parser.error(f"--output {args.output}: folder {args.output.parent} does not exist")
+    check_output(parser, args.output, args.overwrite)
     return args
 
 
