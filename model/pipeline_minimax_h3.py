@@ -210,7 +210,7 @@ def denoise(transformer: MiniMaxH3Transformer, layout: PackedLayout, prompt_embe
     step down their schedule (shift 12) and the audio rows down theirs (shift 3). The text rows share the video's
     timestep. `video_rows` (batch, video rows, patch channels) and `audio_rows` (batch, audio rows, channels) are
     the noise, packed; returns them denoised. `callback(step, video_rows, audio_rows)` after each step."""
-    structure = _structure(layout)
+    structure = layout_arrays(layout)
     for i, (sigma, audio_sigma) in enumerate(_schedules(num_steps)):
         video_rows, audio_rows = _step(transformer, prompt_embeds, video_rows, audio_rows, structure, sigma,
                                        audio_sigma)
@@ -239,7 +239,7 @@ def trajectory_check(reference: MiniMaxH3Transformer, candidate: MiniMaxH3Transf
     both transformers see the reference's state, and each velocity (video rows, audio rows) is gated against the
     reference's (cosine, relative L2, non-finite values); then the candidate denoises on its own from the same noise,
     and its final rows are gated against the reference's (an unchanged trajectory)."""
-    structure, steps = _structure(layout), []
+    structure, steps = layout_arrays(layout), []
     reference_video, reference_audio = video_rows, audio_rows
     for sigma, audio_sigma in _schedules(num_steps):
         timestep = _timesteps(sigma, audio_sigma)
@@ -261,14 +261,21 @@ def _schedules(num_steps: int) -> list[tuple[jax.Array, jax.Array]]:
             for i in range(min(len(sigmas), len(audio_sigmas)) - 1)]
 
 
-def _structure(layout: PackedLayout) -> tuple[jax.Array, ...]:
-    """The transformer's structural arguments for `layout`, on the device. Two timestep slots, [video, audio]: one
-    compiled step serves every step (a table of distinct values, as diffusers builds, would change shape whenever
-    the two timesteps meet; a repeated value embeds the same)."""
-    timestep_indices = np.zeros(layout.length, np.int32)
-    timestep_indices[layout.audio_indices] = 1
-    return tuple(jnp.asarray(a) for a in (timestep_indices, layout.token_tags, layout.position_ids.astype(np.float32),
-                                          layout.video_indices, layout.audio_indices, layout.text_indices))
+def timestep_slots(layout: PackedLayout) -> np.ndarray:
+    """Each row's index into the timestep table [video, audio] (seq,) int32: the text rows share the video's. Two
+    slots always, so that one compiled step serves every step: a table of the distinct values, as diffusers builds
+    it, would change shape whenever the two timesteps meet, and a repeated value embeds the same."""
+    slots = np.zeros(layout.length, np.int32)
+    slots[layout.audio_indices] = 1
+    return slots
+
+
+def layout_arrays(layout: PackedLayout) -> tuple[jax.Array, ...]:
+    """The transformer's structural arguments after `timestep`, for `layout`, on the device: timestep slots, token
+    tags, positions (float32) and the video, audio and text indices."""
+    return tuple(jnp.asarray(a) for a in (timestep_slots(layout), layout.token_tags,
+                                          layout.position_ids.astype(np.float32), layout.video_indices,
+                                          layout.audio_indices, layout.text_indices))
 
 
 def _timesteps(sigma: jax.Array, audio_sigma: jax.Array) -> jax.Array:
