@@ -198,10 +198,11 @@ def unpatchify(rows: jax.Array, frames: int, height: int, width: int, patch_size
 
 
 def audio_rows_to_latents(rows: jax.Array, num_audio_latents: int) -> jax.Array:
-    """Channel-major audio rows (batch, AUDIO_CHANNELS * latents, channels) -> (batch * AUDIO_CHANNELS, channels,
-    latents), the stereo channels as the mono audio VAE's batch items."""
+    """Channel-major audio rows (batch, AUDIO_CHANNELS * latents, channels) -> (batch * AUDIO_CHANNELS, latents,
+    channels), the stereo channels as the mono audio VAE's batch items (diffusers' layout is this with the last two
+    axes swapped)."""
     b, _, c = rows.shape
-    return rows.reshape(b * AUDIO_CHANNELS, num_audio_latents, c).transpose(0, 2, 1)
+    return rows.reshape(b * AUDIO_CHANNELS, num_audio_latents, c)
 
 
 def denoise(transformer: MiniMaxH3Transformer, layout: PackedLayout, prompt_embeds: jax.Array, video_rows: jax.Array,
@@ -375,8 +376,8 @@ class MiniMaxH3Pipeline:
                  width: int | None = None, num_steps: int = DEFAULT_STEPS, seed: int = 0,
                  callback: Callable[[int, int], None] | None = None) -> VideoOutput:
         """Generate `num_frames` frames (rounded up to 17 * n + 5, 5 to 15 seconds at 24 fps) of `height` x `width`
-        pixels (multiples of 32; default the 16:9 canvas) with their stereo soundtrack. `callback(step, num_steps -
-        1)` after each denoising step."""
+        pixels (multiples of 32; default the 16:9 canvas) with their stereo soundtrack. `callback(step, evaluations)`
+        after each denoising step (num_steps - 1 evaluations: the last sigma is 0)."""
         timings, start = {}, time.perf_counter()
         multiple = SPATIAL_COMPRESSION * self.transformer.config.patch_size[2]
         if (height is None) != (width is None):
@@ -402,7 +403,8 @@ class MiniMaxH3Pipeline:
         audio_noise = jax.random.normal(audio_key, (1, AUDIO_CHANNELS * layout.num_audio_latents,
                                                     cfg.audio_in_channels), jnp.float32)
         stage = time.perf_counter()
-        report = None if callback is None else (lambda i, v, a: callback(i, num_steps - 1))
+        evaluations = len(_schedules(num_steps))  # num_steps - 1, fewer where the shift repeats a sigma
+        report = None if callback is None else (lambda i, v, a: callback(i, evaluations))
         video_rows, audio_rows = denoise(self.transformer, layout, embeds, patchify(noise, cfg.patch_size),
                                          audio_noise, num_steps, callback=report)
         timings["denoise"] = _since(stage, video_rows)
@@ -411,7 +413,7 @@ class MiniMaxH3Pipeline:
         latents = unpatchify(video_rows, layout.num_latent_frames, layout.latent_height, layout.latent_width,
                              cfg.patch_size).transpose(0, 2, 3, 4, 1)  # channels last
         video = self.vae.decode(self.vae.denormalize_latents(latents))
-        audio_latents = audio_rows.reshape(AUDIO_CHANNELS, layout.num_audio_latents, cfg.audio_in_channels)
+        audio_latents = audio_rows_to_latents(audio_rows, layout.num_audio_latents)
         audio = self.audio_vae.decode(self.audio_vae.denormalize_latents(audio_latents))
         timings["decode"] = _since(stage, (video, audio))
         timings["total"] = time.perf_counter() - start
