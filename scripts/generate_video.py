@@ -92,9 +92,13 @@ def main(argv=None) -> int:
     except (CheckpointError, ValueError) as e:
         print(f"generate_video.py: error: {e}", file=sys.stderr)
         return 2
-    with tqdm(total=args.steps - 1, desc="denoising", unit="step") as bar:
+    with tqdm(desc="denoising", unit="step") as bar:
+        def advance(step: int, evaluations: int) -> None:
+            bar.total = evaluations  # the pipeline's count: the schedule's sigmas less the final 0
+            bar.update(1)
+
         out = pipe(args.prompt, num_frames=args.num_frames, height=args.height, width=args.width,
-                   num_steps=args.steps, seed=args.seed, callback=lambda i, n: bar.update(1))
+                   num_steps=args.steps, seed=args.seed, callback=advance)
     write_mp4(args.output, out.frames, out.fps, out.audio, out.sample_rate)
     seconds = out.frames.shape[0] / out.fps
     print(f"wrote {args.output}: {out.frames.shape[0]} frames of {out.frames.shape[2]}x{out.frames.shape[1]} "

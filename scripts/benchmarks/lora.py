@@ -107,7 +107,8 @@ def jax_lora_step(args) -> list[dict]:
     opt_state = make_optimizer(config).init(lora)
     lora, opt_state = jax.device_put((lora, opt_state), jax.devices()[0])
     key = jax.random.key(0)
-    row = {"name": _row_name(args, len(names)), "lora_params": sum(int(x.size) for x in jax.tree.leaves(lora)), "build_s": build_s}
+    row = {"name": _row_name(args, len(names)), "lora_params": sum(int(x.size) for x in jax.tree.leaves(lora)),
+           "build_s": build_s}
     try:
         t0 = time.perf_counter()
         compiled = jit_train_step.lower(graphdef, config, frozen, lora, opt_state, batch, key).compile()
