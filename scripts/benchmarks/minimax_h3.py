@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .rows import emit, error_text, flags, step_table, subprocess_rows, write_json
+from .rows import emit, error_text, flags, progress, step_table, subprocess_rows, write_json
 from .timing import jax_peak_gb, timed
 
 # diffusers' MiniMaxH3Transformer3DModel config of a tiny model (--tiny: the path on a CPU)
@@ -80,6 +80,8 @@ def jax_h3_step(args) -> list[dict]:
     """Our evaluation (random full-size weights, made tensor by tensor and quantized as made) for --precisions and
     --jax-attention, a jitted call per evaluation dispatched back to back; the output on the fixed inputs saved
     (bf16) or gated against the saved bf16 one."""
+    import time
+
     import jax
     import jax.numpy as jnp
     from flax import nnx
@@ -97,11 +99,14 @@ def jax_h3_step(args) -> list[dict]:
     (precision,), (attention,) = args.precisions, args.jax_attention
     fmt = PRECISIONS[precision]
     place = quantize_on_load(minimax_h3_rules(fmt)) if fmt else None
+    start = time.perf_counter()
     model = random_model(lambda: MiniMaxH3Transformer(cfg, dtype=jnp.bfloat16, attention=attention,
                                                       rngs=nnx.Rngs(0)), place)
     for _, module in nnx.iter_graph(model):  # norm gains near 1, as trained ones are, so that every block matters
         if isinstance(module, RMSNorm):
             module.weight.set_value(1.0 + module.weight.get_value())
+    jax.block_until_ready(nnx.state(model))
+    progress(f"{precision} model built in {time.perf_counter() - start:.1f} s")
     structure = (jnp.asarray(timestep), *layout_arrays(layout))
     video, audio, text = (jnp.asarray(a, jnp.bfloat16) for a in (video, audio, text))
     graphdef, state = nnx.split(model)
@@ -121,6 +126,7 @@ def jax_h3_step(args) -> list[dict]:
     row = {"name": f"jax MiniMax H3 {precision}, {model.attention} attention", "tokens": layout.length}
     try:
         row.update(timed(steps, args.iters, args.repeats, args.settle_s))  # its warm-up compiles: compile_s
+        progress(f"compiled in {row['compile_s']:.1f} s, {row['s_per_step']:.3f} s an evaluation")
         row["tflops"] = h3_flops(cfg, layout.length) / row["s_per_step"] / 1e12
         out = [np.asarray(x, np.float32) for x in evaluation(state, video, audio)]
         reference = Path(args.outputs_dir) / "bf16.npz" if args.outputs_dir else None
@@ -158,6 +164,7 @@ def diffusers_h3_step(args) -> list[dict]:
     torch.set_default_dtype(torch.float32)
     for name in MiniMaxH3Transformer3DModel._keep_in_fp32_modules:
         getattr(model, name).float()
+    progress(f"diffusers model built, {sum(p.numel() for p in model.parameters()) / 1e9:.1f}B parameters")
 
     def to(a, dtype=None):
         return torch.from_numpy(np.asarray(a)).to(device, dtype)
