@@ -24,7 +24,8 @@ from flax import nnx
 from mxdit.ops.attention import AttentionFn, attention, attention_implementation
 from mxdit.ops.names import AttentionKernel
 
-from .layers import FeedForward, Linear, MLPEmbedder, NoParams, RMSNorm, remat_call, timestep_sinusoids
+from .layers import (FeedForward, Linear, MLPEmbedder, NoParams, RMSNorm, remat_call, shard_activation,
+                     timestep_sinusoids)
 from .loading import KeyMap, config_from_dict, folder_config, load_state, open_checkpoint, read_json
 
 # The modalities a row of the packed sequence is tagged with (`token_tags`), and so the AdaLN table's rows per timestep
@@ -110,16 +111,17 @@ class Attention(nnx.Module):
         self.to_out = nnx.List([Linear(inner, dim, bias=False, dtype=dtype, rngs=rngs), NoParams()])
 
     def __call__(self, x: jax.Array, rotary: tuple[jax.Array, jax.Array] | None,
-                 implementation: AttentionKernel | AttentionFn) -> jax.Array:
+                 implementation: AttentionKernel | AttentionFn, kv_lengths: jax.Array | None = None) -> jax.Array:
         """x: (batch, seq, dim) -> (batch, seq, dim). `rotary`: `rotary_tables`' cos and sin, or None (the text
-        refiner)."""
+        refiner). One document: every row attends to every row, or with `kv_lengths` (batch,) to the first
+        kv_lengths rows (padding rows last)."""
         batch, seq, _ = x.shape
         q, k, v = (layer(x).reshape(batch, seq, self.heads, self.head_dim)
                    for layer in (self.to_q, self.to_k, self.to_v))
         q, k = self.norm_q(q), self.norm_k(k)
         if rotary is not None:
             q, k = apply_rotary_half(q, *rotary), apply_rotary_half(k, *rotary)
-        out = attention(q, k, v, None, implementation)  # one document: every row attends to every row
+        out = attention(q, k, v, kv_lengths, implementation)
         return self.to_out[0](out.reshape(batch, seq, -1))
 
 
@@ -175,12 +177,14 @@ class TransformerBlock(RefinerBlock):
         super().__init__(cfg, dtype=dtype, rngs=rngs)
         self.adaln_proj = AdaLNModulation(cfg.time_embed_dim, cfg.hidden_size, dtype=dtype, rngs=rngs)
 
-    def __call__(self, x, temb, adaln_indices, rotary, implementation: AttentionKernel | AttentionFn):
+    def __call__(self, x, temb, adaln_indices, rotary, kv_lengths: jax.Array | None,
+                 implementation: AttentionKernel | AttentionFn):
         """x: (batch, seq, dim); temb: (timesteps, time_embed_dim); adaln_indices: (seq,) the AdaLN table row of
-        each row of x."""
+        each row of x; kv_lengths: see `Attention`."""
         mod = jnp.take(self.adaln_proj(temb), adaln_indices, axis=0)  # (seq, 6, dim), the same for every batch item
         shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = (mod[:, i] for i in range(6))
-        x = x + gate_msa * self.attn(self.norm1(x) * (1.0 + scale_msa) + shift_msa, rotary, implementation)
+        x = x + gate_msa * self.attn(self.norm1(x) * (1.0 + scale_msa) + shift_msa, rotary, implementation,
+                                     kv_lengths)
         return x + gate_mlp * self.ff(self.norm2(x) * (1.0 + scale_mlp) + shift_mlp)
 
 
@@ -230,6 +234,8 @@ class MiniMaxH3Transformer(nnx.Module):
         self.audio_proj_out = Linear(dim, cfg.audio_in_channels, bias=True, dtype=f32, rngs=rngs)
         # Training: a `jax.checkpoint_policies` policy makes each block a remat unit (see `Krea2Transformer`).
         self.remat_policy = None
+        # An `AttentionFn` that replaces the kernel in the transformer blocks (sharding/: sequence-parallel)
+        self.joint_attention: AttentionFn | None = None
 
     def __call__(
         self,
@@ -243,6 +249,7 @@ class MiniMaxH3Transformer(nnx.Module):
         video_indices: jax.Array,
         audio_indices: jax.Array,
         text_indices: jax.Array,
+        padding: int = 0,
     ) -> tuple[jax.Array, jax.Array]:
         """Predict the flow-matching velocity of the video and audio rows.
 
@@ -259,11 +266,25 @@ class MiniMaxH3Transformer(nnx.Module):
             token_tags: (seq,) each row's modality: VIDEO, TEXT or AUDIO.
             position_ids: (seq, 3) each row's (t, h, w) rotary coordinates.
             video_indices, audio_indices, text_indices: where each modality's rows sit in the packed sequence.
+            padding: rows after the packed ones (seq counts them), zero and attended by no row, so that the sequence
+                splits evenly over a mesh; they leave the result unchanged.
 
         Returns:
             The video velocity (batch, video_rows, video_patch_dim) and the audio velocity (batch, audio_rows,
             audio_in_channels), float32, in the order of `video_indices` and `audio_indices`.
         """
+        x, temb, adaln_indices, rotary, kv_lengths = self.embed(
+            hidden_states, audio_hidden_states, encoder_hidden_states, timestep, timestep_indices, token_tags,
+            position_ids, video_indices, audio_indices, text_indices, padding)
+        for block in self.transformer_blocks:
+            x = self.run_block(block, x, temb, adaln_indices, rotary, kv_lengths)
+        return self.finish(x, temb, timestep_indices, video_indices, audio_indices)
+
+    def embed(self, hidden_states, audio_hidden_states, encoder_hidden_states, timestep, timestep_indices, token_tags,
+              position_ids, video_indices, audio_indices, text_indices, padding: int = 0):
+        """Everything before the transformer blocks (arguments as `__call__`): the packed sequence x, the time
+        embedding, each row's AdaLN table row, the rotary tables and the key lengths (None without padding).
+        `__call__` is `embed`, then `run_block` for each block, then `finish` (model/offload.py runs them apart)."""
         seq = position_ids.shape[0]
         if position_ids.ndim != 2 or position_ids.shape[-1] != 3:
             raise ValueError(f"position_ids must have shape (seq_len, 3), got {tuple(position_ids.shape)}")
@@ -271,8 +292,9 @@ class MiniMaxH3Transformer(nnx.Module):
             raise ValueError(f"token_tags {tuple(token_tags.shape)} and timestep_indices "
                              f"{tuple(timestep_indices.shape)} must both be ({seq},), one entry per row")
         rows = text_indices.shape[0] + video_indices.shape[0] + audio_indices.shape[0]
-        if rows != seq:
-            raise ValueError(f"text, video and audio indices name {rows} rows, the sequence has {seq}")
+        if rows + padding != seq:
+            raise ValueError(f"text, video and audio indices name {rows} rows and padding {padding} more, the "
+                             f"sequence has {seq}")
         cfg = self.config
         rotary = rotary_tables(position_ids, cfg.rope_freq_dim, cfg.rope_theta)
 
@@ -282,13 +304,22 @@ class MiniMaxH3Transformer(nnx.Module):
         audio = self.audio_proj_in(audio_hidden_states.astype(jnp.float32)).astype(self.dtype)
         x = jnp.zeros((text.shape[0], seq, cfg.hidden_size), self.dtype)
         x = x.at[:, text_indices].set(text).at[:, video_indices].set(video).at[:, audio_indices].set(audio)
+        kv_lengths = jnp.full((x.shape[0],), rows, jnp.int32) if padding else None
 
         temb = self.time_embedder(timestep_sinusoids(timestep, cfg.freq_dim))  # float32, one row per noise level
         adaln_indices = timestep_indices * MODALITIES + token_tags
-        for block in self.transformer_blocks:
-            x = remat_call(block, self.remat_policy, x, temb, adaln_indices, rotary, implementation=self.attention)
+        return shard_activation(x, "batch", "sequence", None), temb, adaln_indices, rotary, kv_lengths
 
-        # The norm and the heads act per row: each head projects only its modality's rows.
+    def run_block(self, block: TransformerBlock, x, temb, adaln_indices, rotary, kv_lengths=None) -> jax.Array:
+        """One transformer block, as `__call__` runs each (rematerialized when training asks for it)."""
+        implementation = self.attention if self.joint_attention is None else self.joint_attention
+        x = remat_call(block, self.remat_policy, x, temb, adaln_indices, rotary, kv_lengths,
+                       implementation=implementation)
+        return shard_activation(x, "batch", "sequence", None)
+
+    def finish(self, x, temb, timestep_indices, video_indices, audio_indices) -> tuple[jax.Array, jax.Array]:
+        """The output norm and the two heads. The norm and the heads act per row: each head projects only its
+        modality's rows."""
         x = self.norm_out(x, temb, timestep_indices).astype(jnp.float32)
         return self.proj_out(x[:, video_indices]), self.audio_proj_out(x[:, audio_indices])
 

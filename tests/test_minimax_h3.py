@@ -76,6 +76,19 @@ def test_rows_may_be_packed_in_any_order(tiny, reference):
         assert relative_l2(a, b) <= 1e-6
 
 
+@pytest.mark.parametrize("padding", [1, 5])
+def test_padding_rows_leave_the_velocities_unchanged(tiny, reference, padding):
+    """Rows appended after the packed sequence (as a mesh's `seq` split needs) are attended by no row."""
+    padded = {"timestep_indices": np.pad(reference["timestep_indices"], (0, padding)),
+              "token_tags": np.pad(reference["token_tags"], (0, padding)),
+              "position_ids": np.pad(reference["position_ids"], ((0, padding), (0, 0)))}
+    args = [jnp.asarray(padded.get(name, reference[name])) for name in ARGUMENTS]
+    for a, b in zip(run(tiny, reference), tiny(*args, padding=padding)):
+        assert relative_l2(a, b) <= 1e-6
+    with pytest.raises(ValueError, match=f"indices name .* rows and padding {padding + 1} more"):
+        tiny(*args, padding=padding + 1)
+
+
 def test_rotate_half_leaves_the_unrotated_channels_and_rotates_pairs_half_apart():
     cos, sin = rotary_tables(jnp.asarray([[0.0, 1.0, 2.0]]), freq_dim=2, theta=10000.0)
     assert cos.shape == (1, 12)
