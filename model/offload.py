@@ -1,6 +1,8 @@
-"""Weight streaming (`generate.py --offload`): a Krea 2 or FLUX.1 transformer on a GPU smaller than the model.
+"""Weight streaming (`generate.py --offload`, `generate_video.py --offload`): a Krea 2, FLUX.1 or MiniMax H3
+transformer on a GPU smaller than the model.
 
-The first `resident` blocks (in running order: Krea 2's joint blocks; FLUX.1's double, then single blocks) keep their
+The first `resident` blocks (in running order: Krea 2's and H3's transformer blocks; FLUX.1's double, then single
+blocks) keep their
 weights on the device; the others live in pinned host memory. Each block runs as one compiled program (blocks of one
 kind share one structure, so one compilation serves them all), the embedding and the final layer as two more. Each
 streamed block's weights are copied by a `device_put` of their own, issued `prefetch` blocks ahead; the runtime runs
@@ -25,9 +27,10 @@ from flax import nnx
 
 from .flux import FluxTransformer
 from .krea2 import Krea2Transformer
-from . import pipeline_flux, pipeline_krea2
+from . import pipeline_flux, pipeline_krea2, pipeline_minimax_h3
 from .pipeline_flux import FluxPipeline
 from .pipeline_krea2 import Krea2Pipeline
+from .pipeline_minimax_h3 import MiniMaxH3Pipeline
 
 
 class _BlockStream:
@@ -70,6 +73,7 @@ class _Streamed:
     what the pipeline keeps of the transformer) and its embedding and final programs."""
 
     block_lists: tuple[str, ...] = ()  # the model's lists of blocks, in running order
+    finish_static: tuple[int, ...] = (3,)  # the static arguments of the jitted `finish(state, ...)`
 
     def __init__(self, model: nnx.Module, *, resident: int, prefetch: int):
         lists = self.block_lists
@@ -86,10 +90,10 @@ class _Streamed:
         embed = jax.jit(lambda state, *args: nnx.merge(self.rest_graph, state).embed(*args))
         # The inputs committed to the device: jit compiles an uncommitted array (the first step's, made by jnp) and
         # a committed one (a later step's, a program's output) apart, and every block program after them, so the
-        # second step compiled everything again: the capped runs' "slow first repeat" of sessions 5 and 6.
+        # second step would compile everything again.
         self._embed = lambda state, *args: embed(state, *jax.device_put(args, self.stream.on_device))
-        self._finish = jax.jit(lambda state, x, temb, n: nnx.merge(self.rest_graph, state).finish(x, temb, n),
-                               static_argnums=3)
+        self._finish = jax.jit(lambda state, *args: nnx.merge(self.rest_graph, state).finish(*args),
+                               static_argnums=self.finish_static)
 
     def _block_program(self, list_name: str, run: str):
         """The jitted program of one block of `list_name`: `model.<run>(block, *args)`."""
@@ -177,6 +181,37 @@ class StreamedFlux(_Streamed):
         return pipeline_flux._denoise_step(self, *args)
 
 
+class StreamedMiniMaxH3(_Streamed):
+    """MiniMax H3's transformer with weight streaming, as `StreamedKrea2`: call it as the transformer (without
+    `padding`). Its `denoise_step` is the pipeline's step (`MiniMaxH3Pipeline.denoise_step_fn`)."""
+
+    block_lists = ("transformer_blocks",)
+    finish_static = ()
+
+    def __init__(self, model, *, resident: int, prefetch: int = 2):
+        super().__init__(model, resident=resident, prefetch=prefetch)
+        self._block = self._block_program("transformer_blocks", "run_block")
+
+    def __call__(self, hidden_states, audio_hidden_states, encoder_hidden_states, timestep, timestep_indices,
+                 token_tags, position_ids, video_indices, audio_indices, text_indices):
+        structure = (timestep_indices, video_indices, audio_indices)
+        x, temb, adaln_indices, rotary, _ = self._embed(
+            self.rest_state, hidden_states, audio_hidden_states, encoder_hidden_states, timestep, timestep_indices,
+            token_tags, position_ids, video_indices, audio_indices, text_indices)
+
+        def program(state, x):
+            return self._block(self.rest_state, state, (x, temb, adaln_indices, rotary))
+
+        x = self.stream.run([program] * len(self.block_states), x)
+        return self._finish(self.rest_state, x, temb, *jax.device_put(structure, self.stream.on_device))
+
+    def denoise_step(self, prompt_embeds, video_rows, audio_rows, structure, sigma, audio_sigma):
+        """`pipeline_minimax_h3.denoise_step` on the streamed transformer."""
+        return pipeline_minimax_h3.denoise_step(self, prompt_embeds, video_rows, audio_rows, structure, sigma,
+                                                audio_sigma, flow=_h3_flow_steps)
+
+
+_h3_flow_steps = jax.jit(pipeline_minimax_h3.flow_steps)
 _guided_euler = jax.jit(pipeline_krea2.guided_euler_step, static_argnums=5)
 
 
@@ -208,11 +243,12 @@ def streamed_placement_for_folder(folder: str | Path, resident: int):
     return streamed_block_placement(resident)
 
 
-def offload_pipeline(pipe: Krea2Pipeline | FluxPipeline, *, resident: int, prefetch: int = 2):
+def offload_pipeline(pipe: Krea2Pipeline | FluxPipeline | MiniMaxH3Pipeline, *, resident: int, prefetch: int = 2):
     """A copy of `pipe` whose denoising streams the transformer's blocks after the first `resident` (in running
-    order; more than there are: all resident) from host memory (`StreamedKrea2`, `StreamedFlux`). `pipe` should not
-    be used afterwards: its transformer was taken apart."""
-    streamed_type = StreamedFlux if isinstance(pipe, FluxPipeline) else StreamedKrea2
+    order; more than there are: all resident) from host memory (`StreamedKrea2`, `StreamedFlux`,
+    `StreamedMiniMaxH3`). `pipe` should not be used afterwards: its transformer was taken apart."""
+    streamed_type = (StreamedFlux if isinstance(pipe, FluxPipeline) else
+                     StreamedMiniMaxH3 if isinstance(pipe, MiniMaxH3Pipeline) else StreamedKrea2)
     blocks = sum(len(getattr(pipe.transformer, name)) for name in streamed_type.block_lists)
     streamed = streamed_type(pipe.transformer, resident=min(resident, blocks), prefetch=prefetch)
     out = copy.copy(pipe)

@@ -10,6 +10,7 @@ device.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -206,15 +207,16 @@ def audio_rows_to_latents(rows: jax.Array, num_audio_latents: int) -> jax.Array:
 
 
 def denoise(transformer: MiniMaxH3Transformer, layout: PackedLayout, prompt_embeds: jax.Array, video_rows: jax.Array,
-            audio_rows: jax.Array, num_steps: int, *, callback=None) -> tuple[jax.Array, jax.Array]:
+            audio_rows: jax.Array, num_steps: int, *, callback=None, step=None) -> tuple[jax.Array, jax.Array]:
     """The text-to-video loop: each step one transformer forward over the packed sequence, then the video rows
     step down their schedule (shift 12) and the audio rows down theirs (shift 3). The text rows share the video's
     timestep. `video_rows` (batch, video rows, patch channels) and `audio_rows` (batch, audio rows, channels) are
-    the noise, packed; returns them denoised. `callback(step, video_rows, audio_rows)` after each step."""
+    the noise, packed; returns them denoised. `callback(step, video_rows, audio_rows)` after each step. `step`:
+    `denoise_step` without its transformer (a streamed or sharded one's); default the jitted step of `transformer`."""
     structure = layout_arrays(layout)
+    step = step or functools.partial(_step, transformer)
     for i, (sigma, audio_sigma) in enumerate(_schedules(num_steps)):
-        video_rows, audio_rows = _step(transformer, prompt_embeds, video_rows, audio_rows, structure, sigma,
-                                       audio_sigma)
+        video_rows, audio_rows = step(prompt_embeds, video_rows, audio_rows, structure, sigma, audio_sigma)
         if callback is not None:
             callback(i, video_rows, audio_rows)
     return video_rows, audio_rows
@@ -279,23 +281,46 @@ def layout_arrays(layout: PackedLayout) -> tuple[jax.Array, ...]:
                                           layout.audio_indices, layout.text_indices))
 
 
+def pad_structure(structure: tuple[jax.Array, ...], padding: int) -> tuple[jax.Array, ...]:
+    """`layout_arrays`' structure with `padding` rows after the packed ones (slot 0, tag 0, position 0), which no
+    index names: the transformer's `padding` rows."""
+    slots, tags, positions, *indices = structure
+    return (jnp.pad(slots, (0, padding)), jnp.pad(tags, (0, padding)), jnp.pad(positions, ((0, padding), (0, 0))),
+            *indices)
+
+
 def _timesteps(sigma: jax.Array, audio_sigma: jax.Array) -> jax.Array:
     return jnp.stack([1.0 - sigma[0], 1.0 - audio_sigma[0]])
 
 
-@nnx.jit
-def _velocity(transformer, prompt_embeds, video_rows, audio_rows, structure, timestep):
+def velocity(transformer, prompt_embeds, video_rows, audio_rows, structure, timestep, padding: int = 0):
+    """The transformer's (video, audio) velocity on the layout's structural arrays (`layout_arrays`). `padding`:
+    the rows the structure holds after the packed ones (the transformer's argument)."""
     timestep_indices, tags, positions, video_idx, audio_idx, text_idx = structure
+    extra = {"padding": padding} if padding else {}  # a streamed transformer takes no padding
     return transformer(video_rows, audio_rows, prompt_embeds, timestep, timestep_indices, tags, positions, video_idx,
-                       audio_idx, text_idx)
+                       audio_idx, text_idx, **extra)
 
 
-@nnx.jit
-def _step(transformer, prompt_embeds, video_rows, audio_rows, structure, sigma, audio_sigma):
-    timestep = _timesteps(sigma, audio_sigma)
-    velocity, audio_velocity = _velocity(transformer, prompt_embeds, video_rows, audio_rows, structure, timestep)
-    return (flow_step(video_rows, velocity, timestep[0], sigma[0], sigma[1]),
+def flow_steps(video_rows, audio_rows, video_velocity, audio_velocity, timestep, sigma, audio_sigma):
+    """Each modality's rows one step down its schedule."""
+    return (flow_step(video_rows, video_velocity, timestep[0], sigma[0], sigma[1]),
             flow_step(audio_rows, audio_velocity, timestep[1], audio_sigma[0], audio_sigma[1]))
+
+
+def denoise_step(transformer, prompt_embeds, video_rows, audio_rows, structure, sigma, audio_sigma, *,
+                 flow=flow_steps, padding: int = 0):
+    """One denoising step: the velocity at (sigma[0], audio_sigma[0]), then each modality's flow step (`flow`).
+    Jitted whole for a module (`_step`); a streamed transformer runs it as it stands, its programs and `flow`
+    jitted apart. `padding`: as `velocity`'s."""
+    timestep = _timesteps(sigma, audio_sigma)
+    video_velocity, audio_velocity = velocity(transformer, prompt_embeds, video_rows, audio_rows, structure, timestep,
+                                              padding)
+    return flow(video_rows, audio_rows, video_velocity, audio_velocity, timestep, sigma, audio_sigma)
+
+
+_velocity = nnx.jit(velocity)
+_step = nnx.jit(denoise_step)
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -347,22 +372,39 @@ class MiniMaxH3Pipeline:
                              f"(it has {text_encoder.config.num_hidden_layers})")
         self.transformer, self.vae, self.audio_vae = transformer, vae, audio_vae
         self.text_encoder, self.tokenizer, self.text_encoder_layer = text_encoder, tokenizer, text_encoder_layer
+        # `denoise_step` without its transformer, where another one runs the loop (model/offload.py, sharding/)
+        self.denoise_step_fn: Callable | None = None
 
     @classmethod
-    def from_pretrained(cls, folder: str | Path, dtype: jnp.dtype = jnp.bfloat16,
-                        precision: str = "bf16") -> "MiniMaxH3Pipeline":
+    def from_pretrained(cls, folder: str | Path, dtype: jnp.dtype = jnp.bfloat16, precision: str = "bf16", *,
+                        offload: int | None = None, prefetch: int = 2) -> "MiniMaxH3Pipeline":
         """Load a diffusers-layout MiniMax H3 folder (transformer/, vae/, audio_vae/, text_encoder/, tokenizer/).
         The VAEs stay float32, as the release keeps them. `precision` (a key of PRECISIONS): the transformer's block
-        matrices quantized as they are read, so that the device never holds them in bf16."""
+        matrices quantized as they are read, so that the device never holds them in bf16. `offload`: keep the first
+        `offload` transformer blocks on the device and stream the others from host memory, where they are read to
+        (`model.offload`; `prefetch` blocks ahead); None: all on the device."""
         folder = check_components(folder, COMPONENTS, "MiniMax H3")
         fmt = _weight_format(precision)
-        with place_parameters(*([quantize_on_load(minimax_h3_rules(fmt))] if fmt else [])):
+        places = [quantize_on_load(minimax_h3_rules(fmt))] if fmt else []
+        if offload is not None:
+            from .offload import streamed_block_placement
+
+            places.append(streamed_block_placement(_check_offload(offload, prefetch)))
+        with place_parameters(*places):
             transformer = MiniMaxH3Transformer.from_pretrained(folder / "transformer", dtype)
-        return cls(transformer,
+        pipe = cls(transformer,
                    MiniMaxH3VideoVAE.from_pretrained(folder / "vae"),
                    MiniMaxH3AudioVAE.from_pretrained(folder / "audio_vae"),
                    Qwen3VLTextEncoder.from_pretrained(folder / "text_encoder", dtype),
                    TextTokenizer.from_folder(folder / "tokenizer"))
+        return pipe if offload is None else pipe.offloaded(offload, prefetch)
+
+    def offloaded(self, resident: int, prefetch: int = 2) -> "MiniMaxH3Pipeline":
+        """A copy whose denoising streams the transformer blocks after the first `resident` from host memory,
+        `prefetch` blocks ahead (`model.offload.offload_pipeline`); this pipeline's transformer is taken apart."""
+        from .offload import offload_pipeline
+
+        return offload_pipeline(self, resident=_check_offload(resident, prefetch), prefetch=prefetch)
 
     def encode_prompt(self, prompt: str) -> jax.Array:
         """The prompt verbatim (no chat template, no special tokens) through the conditioner: (1, tokens, text_dim),
@@ -406,7 +448,7 @@ class MiniMaxH3Pipeline:
         evaluations = len(_schedules(num_steps))  # num_steps - 1, fewer where the shift repeats a sigma
         report = None if callback is None else (lambda i, v, a: callback(i, evaluations))
         video_rows, audio_rows = denoise(self.transformer, layout, embeds, patchify(noise, cfg.patch_size),
-                                         audio_noise, num_steps, callback=report)
+                                         audio_noise, num_steps, callback=report, step=self.denoise_step_fn)
         timings["denoise"] = _since(stage, video_rows)
 
         stage = time.perf_counter()
@@ -429,6 +471,14 @@ def conditioning(text_encoder: Qwen3VLTextEncoder, ids: np.ndarray, layer: int) 
     positions = np.arange(ids.shape[1], dtype=np.int32)[None]
     states = text_encoder(jnp.asarray(ids), jnp.ones(ids.shape, bool), jnp.asarray(positions), (layer,))
     return states[:, :, 0]
+
+
+def _check_offload(resident: int, prefetch: int) -> int:
+    if resident < 0:
+        raise ValueError(f"offload {resident}: the number of resident blocks must be >= 0")
+    if prefetch < 1:
+        raise ValueError(f"prefetch {prefetch}: must be >= 1")
+    return resident
 
 
 def _weight_format(precision: str) -> str | None:

@@ -2,6 +2,7 @@
 
     python scripts/generate_video.py --model /models/MiniMax-H3 --prompt "waves on a rocky shore" --output waves.mp4
     python scripts/generate_video.py --model /models/MiniMax-H3 --prompt "x" --num-frames 240 --height 1344 --width 768
+    python scripts/generate_video.py --model /models/MiniMax-H3 --prompt "x" --precision fp8 --offload 30  # 48 GB card
     python scripts/generate_video.py --demo --prompt "a red fox" --output demo.mp4    # tiny RANDOM-weight model, CPU
 
 The video is 24 fps, 5 to 15 seconds: --num-frames is rounded up to 17 * n + 5 (the default 124 is the shortest).
@@ -39,6 +40,11 @@ def build_parser() -> OneLineErrorParser:
     parser.add_argument("--precision", choices=["bf16", "fp8", "mxfp8", "mxfp6", "mxfp4", "int8", "int8_rot"],
                         default="bf16", help="the transformer blocks' attention and SwiGLU matrices, quantized as they "
                                              "are read and multiplied by the GEMM kernels (int8_rot: rotated INT8)")
+    parser.add_argument("--offload", type=int, default=None, metavar="N",
+                        help="keep the first N of the transformer's 50 blocks on the device and stream the others "
+                             "from host memory (a card smaller than the model)")
+    parser.add_argument("--prefetch", type=int, default=2,
+                        help="with --offload: copy streamed blocks this many blocks ahead")
     parser.add_argument("--output", type=Path, default=Path("output.mp4"), help="MP4 path")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing output file")
     return parser
@@ -65,6 +71,10 @@ def parse_args(argv=None):
     if args.num_frames < 1 or not MIN_SECONDS <= frames / FPS <= MAX_SECONDS:
         parser.error(f"--num-frames {args.num_frames}: rounded to 17 * n + 5, must give {MIN_SECONDS:g} to "
                      f"{MAX_SECONDS:g} s at {FPS} fps ({int(MIN_SECONDS * FPS)} to {int(MAX_SECONDS * FPS)} frames)")
+    if args.offload is not None and args.offload < 0:
+        parser.error(f"--offload {args.offload}: the number of resident blocks must be >= 0")
+    if args.prefetch < 1:
+        parser.error(f"--prefetch {args.prefetch}: must be >= 1")
     args.steps = args.steps or (3 if args.demo else DEFAULT_STEPS)
     if not 2 <= args.steps <= 1000:
         parser.error(f"--steps {args.steps}: must be between 2 and 1000")
@@ -87,8 +97,11 @@ def main(argv=None) -> int:
         if args.demo:
             print("demo: RANDOM weights -- the video and sound are noise; this shows the path works")
             pipe = demo_pipeline(Path(tempfile.mkdtemp(prefix="mxdit-demo-tokenizer-")), precision=args.precision)
+            if args.offload is not None:
+                pipe = pipe.offloaded(args.offload, args.prefetch)
         else:
-            pipe = MiniMaxH3Pipeline.from_pretrained(args.model, jnp.dtype(args.dtype), args.precision)
+            pipe = MiniMaxH3Pipeline.from_pretrained(args.model, jnp.dtype(args.dtype), args.precision,
+                                                     offload=args.offload, prefetch=args.prefetch)
     except (CheckpointError, ValueError) as e:
         print(f"generate_video.py: error: {e}", file=sys.stderr)
         return 2

@@ -133,6 +133,8 @@ def test_generate_video_writes_an_mp4_with_stereo_sound(tmp_path):
     (["--height", "64"], "give both or neither"),
     (["--output", "x.mov"], "must end in .mp4"),
     (["--steps", "1"], "--steps 1"),
+    (["--offload", "-1"], "--offload -1: the number of resident blocks must be >= 0"),
+    (["--offload", "4", "--prefetch", "0"], "--prefetch 0: must be >= 1"),
 ])
 def test_generate_video_refuses_bad_flags_in_one_line(flags, message, capsys):
     with pytest.raises(SystemExit):
