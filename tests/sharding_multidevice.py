@@ -348,3 +348,71 @@ def test_lora_training_on_a_data_by_fsdp_mesh_equals_one_device(tmp_path):
     with pytest.raises(TrainError, match="--batch-size of 3 does not split"):
         train(pipe, tmp_path / "photos", tmp_path / "bad", dataclasses.replace(config, batch_size=3), lora,
               model_tag="demo", cache_dir=tmp_path / "cache", progress=False, mesh=mesh)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# MiniMax H3: one video's packed sequence over seq
+
+
+@pytest.fixture(scope="module")
+def h3_case():
+    """The tiny H3 transformer (3 heads) and the first denoising step's inputs of its fixture layout."""
+    from mxdit.model import pipeline_minimax_h3 as h3
+    from mxdit.model.minimax_h3 import MiniMaxH3Transformer
+
+    fixtures = Path(__file__).parent / "fixtures" / "minimax_h3"
+    model = MiniMaxH3Transformer.from_pretrained(fixtures / "tiny", dtype=jnp.float32)
+    ref = dict(np.load(fixtures / "denoising_reference.npz"))
+    patch = model.config.patch_size
+    layout = h3.packed_layout(ref["prompt_embeds"].shape[1], int(ref["num_latent_frames"]), int(ref["latent_height"]),
+                              int(ref["latent_width"]), int(ref["num_audio_latents"]), patch)
+    (sigma, audio_sigma), *_ = h3._schedules(int(ref["steps"]))
+    args = (jnp.asarray(ref["prompt_embeds"]), h3.patchify(jnp.asarray(ref["initial_latents"]), patch),
+            jnp.asarray(ref["initial_audio_rows"])[None], h3.layout_arrays(layout), sigma, audio_sigma)
+    # the jitted unsharded step: eager rounds the rows' update differently (4e-6 of the step, which is 1% of the rows)
+    return model, args, h3._step(model, *args), layout.length
+
+
+def _h3_mesh(degree: int):
+    return make_mesh(f"seq={degree}", jax.devices()[:degree])
+
+
+@pytest.mark.parametrize("degree, method, weights", [
+    (3, None, "replicated"),   # Ulysses: 3 heads over 3 devices
+    (2, None, "replicated"),   # ring: 3 heads do not divide by 2
+    (8, "ring", "sharded"),
+    (3, None, "sharded"),
+])
+def test_sharded_minimax_h3_step_equals_unsharded(h3_case, degree, method, weights, caplog):
+    from mxdit.sharding.minimax_h3 import minimax_h3_denoise_step
+
+    model, args, expected, length = h3_case
+    mesh = _h3_mesh(degree)
+    step = minimax_h3_denoise_step(model, mesh, method=method, weights=weights)
+    out = step(*args)
+    assert all(x.sharding.device_set == {jax.devices()[0]} for x in out)
+    errors = [relative_l2(np.asarray(o) - np.asarray(a), np.asarray(e) - np.asarray(a))
+              for o, e, a in zip(out, expected, args[1:3])]
+    print(f"\nH3 seq={degree} ({length} rows, padded by {-length % mesh.shape['seq']}) method={method or 'auto'} "
+          f"weights={weights}: relative L2 of the steps {errors[0]:.2e} video, {errors[1]:.2e} audio")
+    assert max(errors) <= TOLERANCE  # measured 1.7e-7 to 1.2e-6 (ring over 8)
+    with jax.log_compiles(True), caplog.at_level(logging.WARNING):  # the next step compiles nothing
+        step(args[0], *out, *args[3:])
+    assert [r.getMessage() for r in caplog.records if "sharded_step" in r.getMessage()] == []
+
+
+def test_minimax_h3_ulysses_has_two_all_to_alls_per_block(h3_case):
+    from mxdit.sharding.minimax_h3 import minimax_h3_denoise_step
+
+    model, args, _, _ = h3_case
+    hlo = minimax_h3_denoise_step(model, _h3_mesh(3)).lower(*args).compile().as_text()
+    all_to_alls = [shapes for kind, shapes in _collectives(hlo) if kind == "all-to-all"]
+    assert len(all_to_alls) == 2 * model.config.num_layers
+    assert all(shape[-1] == model.config.attention_head_dim for shapes in all_to_alls for shape in shapes)
+
+
+def test_minimax_h3_meshes_other_than_seq_are_refused(h3_case):
+    from mxdit.sharding.minimax_h3 import minimax_h3_denoise_step
+
+    with pytest.raises(ValueError, match="over seq alone .*, not data"):
+        minimax_h3_denoise_step(h3_case[0], make_mesh("data=2,seq=2"))
