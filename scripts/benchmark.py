@@ -249,6 +249,9 @@ def _add_flux_and_vae_commands(sub) -> None:
                        choices=PRECISION_CHOICES + ("int8_rot",),
                        help="the blocks' attention and SwiGLU matrices in this format (bf16: XLA's dots)")
         p.add_argument("--jax-attention", nargs="+", default=["cudnn"], choices=ATTENTION_CHOICES)
+        p.add_argument("--offload", type=int, default=None, metavar="N",
+                       help="ours with the first N blocks on the device, the others streamed from host memory")
+        p.add_argument("--prefetch", type=int, default=2, help="with --offload: blocks copied ahead")
         p.add_argument("--outputs-dir", default=None, help=argparse.SUPPRESS)  # the parent's: the bf16 output
         _json_argument(p)
     for name in ("vae-decode", "vae-decode-diffusers", "vae-decode-jax"):

@@ -20,7 +20,7 @@ TINY_H3 = dict(num_attention_heads=2, attention_head_dim=16, hidden_size=32, num
 def h3_step(args) -> None:
     """bf16 first (the gates' reference output), then each other precision and attention, then diffusers."""
     forwarded = flags(args, "num_frames", "height", "width", "text_len", "num_layers", "iters", "repeats", "settle_s",
-                      "tiny")
+                      "tiny", "offload", "prefetch")
     outputs = tempfile.mkdtemp(prefix="mxdit-h3-outputs-")
     precisions = ["bf16"] + [p for p in args.precisions if p != "bf16"]
     rows = []
@@ -33,11 +33,14 @@ def h3_step(args) -> None:
     step_table(rows, f"MiniMax H3 denoiser evaluation, {args.num_frames} frames of {args.height}x{args.width}, text "
                      f"{args.text_len}: {rows[0].get('tokens', '?')} tokens")
     for r in rows:
-        if "gate" in r:
-            g = r["gate"]
-            print(f"{r['name']}: {'passes' if g['passed'] else 'FAILS'} its gate against bf16: video cosine "
-                  f"{g['video_cosine']:.6f}, relative L2 {g['video_relative_l2']:.4g}; audio cosine "
-                  f"{g['audio_cosine']:.6f}, relative L2 {g['audio_relative_l2']:.4g}; non-finite {g['nonfinite']}")
+        for key, what in (("input_rounding", "its inputs moved by a bf16 rounding, against itself"),
+                          ("gate", "its gate against bf16")):
+            if key in r:
+                g = r[key]
+                print(f"{r['name']}, {what}: {'passes' if g['passed'] else 'FAILS'}: video cosine "
+                      f"{g['video_cosine']:.6f}, relative L2 {g['video_relative_l2']:.4g}; audio cosine "
+                      f"{g['audio_cosine']:.6f}, relative L2 {g['audio_relative_l2']:.4g}; non-finite "
+                      f"{g['nonfinite']}")
     write_json(args, rows)
 
 
@@ -80,6 +83,7 @@ def jax_h3_step(args) -> list[dict]:
     """Our evaluation (random full-size weights, made tensor by tensor and quantized as made) for --precisions and
     --jax-attention, a jitted call per evaluation dispatched back to back; the output on the fixed inputs saved
     (bf16) or gated against the saved bf16 one."""
+    import functools
     import time
 
     import jax
@@ -88,6 +92,7 @@ def jax_h3_step(args) -> list[dict]:
 
     from mxdit.model.layers import RMSNorm
     from mxdit.model.minimax_h3 import MiniMaxH3Transformer
+    from mxdit.model.offload import StreamedMiniMaxH3, streamed_block_placement
     from mxdit.model.pipeline_minimax_h3 import PRECISIONS, layout_arrays
     from mxdit.quant.gates import evaluate
     from mxdit.quant.model import minimax_h3_rules, quantize_on_load
@@ -99,50 +104,74 @@ def jax_h3_step(args) -> list[dict]:
     (precision,), (attention,) = args.precisions, args.jax_attention
     fmt = PRECISIONS[precision]
     place = quantize_on_load(minimax_h3_rules(fmt)) if fmt else None
+    if args.offload is not None:  # the streamed blocks to host memory as they are made (after quantizing)
+        host, quantize = streamed_block_placement(args.offload), place
+        place = host if quantize is None else (lambda key, value: host(key, quantize(key, value)))
     start = time.perf_counter()
     model = random_model(lambda: MiniMaxH3Transformer(cfg, dtype=jnp.bfloat16, attention=attention,
                                                       rngs=nnx.Rngs(0)), place)
+    on_device = jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind="device")
     for _, module in nnx.iter_graph(model):  # norm gains near 1, as trained ones are, so that every block matters
-        if isinstance(module, RMSNorm):
-            module.weight.set_value(1.0 + module.weight.get_value())
+        if isinstance(module, RMSNorm):  # (added on the device: a streamed block's weights are in host memory)
+            weight = module.weight.get_value()
+            module.weight.set_value(jax.device_put(1.0 + jax.device_put(weight, on_device), weight.sharding))
     jax.block_until_ready(nnx.state(model))
     progress(f"{precision} model built in {time.perf_counter() - start:.1f} s")
     structure = (jnp.asarray(timestep), *layout_arrays(layout))
     video, audio, text = (jnp.asarray(a, jnp.bfloat16) for a in (video, audio, text))
-    graphdef, state = nnx.split(model)
+    name = f"jax MiniMax H3 {precision}, {model.attention} attention"
+    if args.offload is None:
+        graphdef, state = nnx.split(model)
+        jitted = jax.jit(lambda state, video, audio: nnx.merge(graphdef, state)(video, audio, text, *structure))
+        evaluation = functools.partial(jitted, state)
+    else:  # a program a block, the streamed blocks' weights copied ahead
+        streamed = StreamedMiniMaxH3(model, resident=args.offload, prefetch=args.prefetch)
+        del model  # its streamed blocks' device copies
 
-    @jax.jit
-    def evaluation(state, video, audio):
-        v, a = nnx.merge(graphdef, state)(video, audio, text, *structure)
-        return v, a
+        def evaluation(video, audio):
+            return streamed(video, audio, text, *structure)
+        name += f", {min(args.offload, cfg.num_layers)} of {cfg.num_layers} blocks resident"
 
     def steps(n):
         v, a = video, audio
         for _ in range(n):  # each evaluation on the last one's output: nothing to hoist or skip
-            dv, da = evaluation(state, v, a)
+            dv, da = evaluation(v, a)
             v, a = (v + 1e-3 * dv).astype(v.dtype), (a + 1e-3 * da).astype(a.dtype)
         return jax.block_until_ready((v, a))
 
-    row = {"name": f"jax MiniMax H3 {precision}, {model.attention} attention", "tokens": layout.length}
+    row = {"name": name, "tokens": layout.length}
     try:
         row.update(timed(steps, args.iters, args.repeats, args.settle_s))  # its warm-up compiles: compile_s
         progress(f"compiled in {row['compile_s']:.1f} s, {row['s_per_step']:.3f} s an evaluation")
         row["tflops"] = h3_flops(cfg, layout.length) / row["s_per_step"] / 1e12
-        out = [np.asarray(x, np.float32) for x in evaluation(state, video, audio)]
+        out = [np.asarray(x, np.float32) for x in evaluation(video, audio)]
         reference = Path(args.outputs_dir) / "bf16.npz" if args.outputs_dir else None
         if precision == "bf16" and reference is not None and not reference.exists():
             np.savez(reference, video=out[0], audio=out[1])
+            # What the gates can tell on this model: its own output's change when the inputs move by a rounding of
+            # bf16's (relative 2^-8 each, random signs). A random deep model may amplify any change alike.
+            signs = [np.where(np.random.default_rng(1).random(x.shape) < 0.5, -1.0, 1.0) for x in (video, audio)]
+            moved = [(x * (1.0 + jnp.asarray(s, jnp.float32) * 2.0 ** -8)).astype(x.dtype)
+                     for x, s in zip((video, audio), signs)]
+            nudged = [np.asarray(x, np.float32) for x in evaluation(*moved)]
+            row["input_rounding"] = _gate_figures([evaluate("bf16", a, b) for a, b in zip(nudged, out)])
         elif reference is not None and reference.exists():
             saved = np.load(reference)
-            gates = [evaluate(fmt or "bf16", got, saved[name]) for got, name in zip(out, ("video", "audio"))]
-            row["gate"] = {"passed": all(g.passed for g in gates), "video_cosine": gates[0].cosine,
-                           "video_relative_l2": gates[0].relative_l2, "audio_cosine": gates[1].cosine,
-                           "audio_relative_l2": gates[1].relative_l2, "nonfinite": gates[0].nonfinite
-                           + gates[1].nonfinite, "failures": [f for g in gates for f in g.failures]}
+            row["gate"] = _gate_figures([evaluate(fmt or "bf16", got, saved[key])
+                                         for got, key in zip(out, ("video", "audio"))])
     except Exception as e:  # an out-of-memory variant is a result too
         row["error"] = error_text(e)
     row["peak_gb"] = jax_peak_gb()
     return [emit(row)]
+
+
+def _gate_figures(gates) -> dict:
+    """The (video, audio) `GateReport`s as a row's figures."""
+    video, audio = gates
+    return {"passed": video.passed and audio.passed, "video_cosine": video.cosine,
+            "video_relative_l2": video.relative_l2, "audio_cosine": audio.cosine,
+            "audio_relative_l2": audio.relative_l2, "nonfinite": video.nonfinite + audio.nonfinite,
+            "failures": video.failures + audio.failures}
 
 
 def diffusers_h3_step(args) -> list[dict]:
