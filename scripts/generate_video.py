@@ -3,6 +3,7 @@
     python scripts/generate_video.py --model /models/MiniMax-H3 --prompt "waves on a rocky shore" --output waves.mp4
     python scripts/generate_video.py --model /models/MiniMax-H3 --prompt "x" --num-frames 240 --height 1344 --width 768
     python scripts/generate_video.py --model /models/MiniMax-H3 --prompt "x" --precision fp8 --offload 30  # 48 GB card
+    python scripts/generate_video.py --model /models/MiniMax-H3 --prompt "x" --mesh seq=8     # 8 GPUs, one video
     python scripts/generate_video.py --demo --prompt "a red fox" --output demo.mp4    # tiny RANDOM-weight model, CPU
 
 The video is 24 fps, 5 to 15 seconds: --num-frames is rounded up to 17 * n + 5 (the default 124 is the shortest).
@@ -17,7 +18,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from mxdit.cli import OneLineErrorParser, check_output
+from mxdit.cli import (OneLineErrorParser, add_device_arguments, check_device_arguments, check_output,
+                       mesh_from_arguments)
 
 MULTIPLE = 32  # the VAE's 16x times the transformer's 2x2 patch
 
@@ -45,6 +47,10 @@ def build_parser() -> OneLineErrorParser:
                              "from host memory (a card smaller than the model)")
     parser.add_argument("--prefetch", type=int, default=2,
                         help="with --offload: copy streamed blocks this many blocks ahead")
+    add_device_arguments(parser, "one video's sequence over several devices: seq=N (Ulysses attention, or ring where "
+                                 "the 56 heads do not divide by N)")
+    parser.add_argument("--sharded-weights", action="store_true",
+                        help="with --mesh: the weights split over the devices, not copied to each")
     parser.add_argument("--output", type=Path, default=Path("output.mp4"), help="MP4 path")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing output file")
     return parser
@@ -75,6 +81,11 @@ def parse_args(argv=None):
         parser.error(f"--offload {args.offload}: the number of resident blocks must be >= 0")
     if args.prefetch < 1:
         parser.error(f"--prefetch {args.prefetch}: must be >= 1")
+    check_device_arguments(parser, args)
+    if args.mesh is not None and args.offload is not None:
+        parser.error("--mesh with --offload: not supported together")
+    if args.sharded_weights and args.mesh is None:
+        parser.error("--sharded-weights: only with --mesh")
     args.steps = args.steps or (3 if args.demo else DEFAULT_STEPS)
     if not 2 <= args.steps <= 1000:
         parser.error(f"--steps {args.steps}: must be between 2 and 1000")
@@ -94,6 +105,7 @@ def main(argv=None) -> int:
     from mxdit.model.video_file import write_mp4
 
     try:
+        mesh = mesh_from_arguments(args)
         if args.demo:
             print("demo: RANDOM weights -- the video and sound are noise; this shows the path works")
             pipe = demo_pipeline(Path(tempfile.mkdtemp(prefix="mxdit-demo-tokenizer-")), precision=args.precision)
@@ -102,6 +114,10 @@ def main(argv=None) -> int:
         else:
             pipe = MiniMaxH3Pipeline.from_pretrained(args.model, jnp.dtype(args.dtype), args.precision,
                                                      offload=args.offload, prefetch=args.prefetch)
+        if mesh is not None:
+            from mxdit.sharding.minimax_h3 import shard_minimax_h3_pipeline
+
+            pipe = shard_minimax_h3_pipeline(pipe, mesh, weights="sharded" if args.sharded_weights else "replicated")
     except (CheckpointError, ValueError) as e:
         print(f"generate_video.py: error: {e}", file=sys.stderr)
         return 2

@@ -416,3 +416,25 @@ def test_minimax_h3_meshes_other_than_seq_are_refused(h3_case):
 
     with pytest.raises(ValueError, match="over seq alone .*, not data"):
         minimax_h3_denoise_step(h3_case[0], make_mesh("data=2,seq=2"))
+
+
+def test_sharded_video_pipeline_makes_the_same_video(tmp_path, capsys):
+    """`shard_minimax_h3_pipeline` (generate_video.py --mesh) on the demo pipeline: the unsharded latents; a mesh
+    that splits anything but the sequence is refused by the script in one line."""
+    from mxdit.model.pipeline_minimax_h3 import demo_pipeline
+    from mxdit.sharding.minimax_h3 import shard_minimax_h3_pipeline
+
+    kwargs = dict(height=32, width=64, num_steps=3, seed=1)
+    expected = demo_pipeline(tmp_path / "tok")("a red fox", **kwargs)
+    out = shard_minimax_h3_pipeline(demo_pipeline(tmp_path / "tok2"), make_mesh("seq=2"))("a red fox", **kwargs)
+    error = relative_l2(out.latents, expected.latents)
+    with capsys.disabled():
+        print(f"\nH3 demo pipeline over seq=2: latents relative L2 {error:.2e}")
+    assert error <= TOLERANCE  # measured 6.1e-8
+    spec = importlib.util.spec_from_file_location("generate_video", Path(__file__).parent.parent / "scripts" /
+                                                  "generate_video.py")
+    generate_video = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(generate_video)
+    assert generate_video.main(["--demo", "--prompt", "x", "--mesh", "data=2", "--output",
+                                str(tmp_path / "x.mp4")]) == 2
+    assert "over seq alone" in capsys.readouterr().err and not (tmp_path / "x.mp4").exists()

@@ -135,6 +135,9 @@ def test_generate_video_writes_an_mp4_with_stereo_sound(tmp_path):
     (["--steps", "1"], "--steps 1"),
     (["--offload", "-1"], "--offload -1: the number of resident blocks must be >= 0"),
     (["--offload", "4", "--prefetch", "0"], "--prefetch 0: must be >= 1"),
+    (["--mesh", "seq"], "--mesh: .*entry 'seq' is not axis=size"),
+    (["--mesh", "seq=2", "--offload", "3"], "--mesh with --offload: not supported together"),
+    (["--sharded-weights"], "--sharded-weights: only with --mesh"),
 ])
 def test_generate_video_refuses_bad_flags_in_one_line(flags, message, capsys):
     with pytest.raises(SystemExit):
