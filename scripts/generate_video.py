@@ -84,6 +84,8 @@ def parse_args(argv=None):
     check_device_arguments(parser, args)
     if args.mesh is not None and args.offload is not None:
         parser.error("--mesh with --offload: not supported together")
+    if args.mesh is not None and args.precision != "bf16":
+        parser.error(f"--precision {args.precision} with --mesh: sharded runs take bf16 weights for now")
     if args.sharded_weights and args.mesh is None:
         parser.error("--sharded-weights: only with --mesh")
     args.steps = args.steps or (3 if args.demo else DEFAULT_STEPS)

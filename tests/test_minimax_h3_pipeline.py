@@ -138,6 +138,7 @@ def test_generate_video_writes_an_mp4_with_stereo_sound(tmp_path):
     (["--mesh", "seq"], "--mesh: .*entry 'seq' is not axis=size"),
     (["--mesh", "seq=2", "--offload", "3"], "--mesh with --offload: not supported together"),
     (["--sharded-weights"], "--sharded-weights: only with --mesh"),
+    (["--mesh", "seq=2", "--precision", "fp8"], "--precision fp8 with --mesh: sharded runs take bf16 weights"),
 ])
 def test_generate_video_refuses_bad_flags_in_one_line(flags, message, capsys):
     with pytest.raises(SystemExit):
