@@ -20,7 +20,7 @@ from mxdit.ops.linear import FP8Activations, fp8_input_backend, fused_fp8_produc
 from mxdit.ops.names import AttentionKernel
 
 from .layers import Linear, MLPEmbedder, NoParams, remat_call, rotary_tables, stacked_linear, timestep_sinusoids
-from .loading import (Checkpoint, CheckpointError, DerivedCheckpoint, KeyMap, config_from_dict, load_state,
+from .loading import (Checkpoint, CheckpointError, DerivedCheckpoint, KeyMap, Rows, config_from_dict, load_state,
                       open_checkpoint, read_json)
 
 
@@ -399,8 +399,10 @@ class FluxTransformer(nnx.Module):
 # `convert_flux_transformer_checkpoint_to_diffusers` maps it
 
 
-def _split(parts: int, index: int):
-    return lambda array: np.split(array, parts, axis=0)[index]
+def _split(parts: int, index: int, rows: int) -> Rows:
+    """Part `index` of `parts` equal row ranges of a tensor of `rows` rows."""
+    size = rows // parts
+    return Rows(index * size, (index + 1) * size)
 
 
 def _swap_halves(array):
@@ -442,7 +444,7 @@ def original_checkpoint_view(checkpoint: Checkpoint) -> DerivedCheckpoint:
                 if qkv in keys:
                     shape = checkpoint.shape(keys[qkv])
                     for j, name in enumerate(names):
-                        add(f"{n}attn.{name}.{p}", qkv, _split(3, j), (shape[0] // 3, *shape[1:]))
+                        add(f"{n}attn.{name}.{p}", qkv, _split(3, j, shape[0]), (shape[0] // 3, *shape[1:]))
             add(f"{n}ff.net.0.proj.{p}", f"{o}img_mlp.0.{p}")
             add(f"{n}ff.net.2.{p}", f"{o}img_mlp.2.{p}")
             add(f"{n}ff_context.net.0.proj.{p}", f"{o}txt_mlp.0.{p}")
@@ -466,7 +468,7 @@ def original_checkpoint_view(checkpoint: Checkpoint) -> DerivedCheckpoint:
                 bounds = np.cumsum([0, dim, dim, dim, 4 * dim])
                 for j, name in enumerate(("attn.to_q", "attn.to_k", "attn.to_v", "proj_mlp")):
                     lo, hi = int(bounds[j]), int(bounds[j + 1])
-                    add(f"{n}{name}.{p}", fused, (lambda a, lo=lo, hi=hi: a[lo:hi]), (hi - lo, *shape[1:]))
+                    add(f"{n}{name}.{p}", fused, Rows(lo, hi), (hi - lo, *shape[1:]))
         add(f"{n}attn.norm_q.weight", f"{o}norm.query_norm.scale")
         add(f"{n}attn.norm_k.weight", f"{o}norm.key_norm.scale")
     used = {src for src, _, _ in derived.values()}

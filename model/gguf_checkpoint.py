@@ -4,7 +4,8 @@ F32/F16/BF16 where the converter kept a tensor (small or with a last axis the bl
 llama.cpp's block types. Read with the `gguf` package, the format's own reader; each tensor is dequantized on read to
 float32 by the package's dequantizer, exactly: Q8_0 is d * q (fp16 d, int8 q, blocks of 32), Q4_0 d * (q - 8), the
 K-quants their super-blocks of 256, all of them values float32 holds. The model's dtype (or `--precision`) decides
-what they become on the device."""
+what they become on the device; Q8_0 matrices can instead stay as they are (`quantized`: our `int8_b32`, the same
+codes and scales)."""
 
 from __future__ import annotations
 
@@ -56,6 +57,22 @@ class GGUFCheckpoint:
     def block_type(self, key: str) -> str:
         """How `key` is stored: one of `READ_TYPES`."""
         return self._gguf.GGMLQuantizationType(self._tensors[key].tensor_type).name
+
+    def quantized(self, key: str):
+        """A Q8_0 matrix as a `quant.formats.QuantizedArray` of format int8_b32 (numpy arrays: its int8 codes and
+        float16 scales as stored, blocks of 32 along the last axis); None for other block types and shapes."""
+        from mxdit.quant.formats import QuantizedArray
+
+        tensor, shape = self._tensors[key], self._shapes[key]
+        if self.block_type(key) != "Q8_0" or len(shape) != 2 or shape[1] % 32:
+            return None
+        try:
+            blocks = np.asarray(tensor.data).reshape(shape[0], shape[1] // 32, 34)  # fp16 d, then 32 int8 codes
+        except ValueError as e:
+            raise CheckpointError(f"{self.files[0]}: cannot read tensor {key!r} ({e})") from None
+        scale = np.ascontiguousarray(blocks[..., :2]).view(np.float16)[..., 0]
+        codes = np.ascontiguousarray(blocks[..., 2:]).view(np.int8).reshape(shape)
+        return QuantizedArray(codes, scale, None, "int8_b32", tuple(shape), 1)
 
     def get(self, key: str) -> np.ndarray:
         tensor = self._tensors[key]

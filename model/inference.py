@@ -9,6 +9,7 @@ This module imports no jax until `build_pipeline` runs, so that a command line c
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import tempfile
 from collections.abc import Callable
@@ -132,7 +133,16 @@ def shapes_known_first(model: str | Path | None, options: InferenceOptions) -> b
     """Whether `pipeline_shapes` can build this pipeline: from a model folder, with nothing read from other files
     into its weights (LoRAs, a quantized checkpoint) and on one device without streaming (no mesh, no offload)."""
     return (model is not None and not options.loras and options.quantized is None and options.offload is None
-            and options.mesh is None)
+            and options.mesh is None and not _gguf_transformer(model, options))
+
+
+def _gguf_transformer(model: str | Path, options: InferenceOptions) -> bool:
+    """Whether the transformer is read from a GGUF file (`--transformer`, or the folder's transformer/), whose Q8_0
+    matrices load in their own block format (`loading.keep_file_blocks`): known only as the file is read."""
+    if options.transformer is not None:
+        return Path(options.transformer).suffix.lower() == ".gguf"
+    folder = Path(model) / "transformer"
+    return folder.is_dir() and any(f.suffix.lower() == ".gguf" for f in folder.iterdir())
 
 
 def pipeline_shapes(model: str | Path, options: InferenceOptions = InferenceOptions()) -> Krea2Pipeline | FluxPipeline:
@@ -296,6 +306,15 @@ def _load(model: str | Path | None, options: InferenceOptions, dtype) -> Krea2Pi
         from .offload import streamed_placement_for_folder
 
         places.append(streamed_placement_for_folder(model, options.offload))
-    with place_parameters(*places):
+    keep = contextlib.nullcontext()
+    if options.quantized is None and options.precision is Precision.BF16 and not options.fuse_loras:
+        # A GGUF file's Q8_0 block matrices stay as it holds them (int8_b32: 1.06 bytes a weight on the device)
+        from mxdit.quant.model import any_family_rules, format_for
+
+        from .loading import keep_file_blocks
+
+        rules = any_family_rules("int8_b32")
+        keep = keep_file_blocks(lambda key: format_for(key, (1, 1), rules) is not None)
+    with place_parameters(*places), keep:
         return load_pipeline(model, dtype=dtype, quantized_transformer=options.quantized,
                              transformer_file=options.transformer)

@@ -255,6 +255,32 @@ class DerivedCheckpoint:
         array = self.base.get(stored)
         return np.ascontiguousarray(fn(array)) if fn is not None else array
 
+    def quantized(self, key: str):
+        """The stored tensor's `quantized` form (see `keep_file_blocks`), where the view takes it whole or a
+        `Rows` range of it; else None."""
+        stored, fn, _ = self._entry(key)
+        quantized = getattr(self.base, "quantized", None)
+        if quantized is None or not (fn is None or isinstance(fn, Rows)):
+            return None
+        q = quantized(stored)
+        return q if q is None or fn is None else fn.of(q)
+
+
+@dataclasses.dataclass(frozen=True)
+class Rows:
+    """A derived tensor that is rows [start, stop) of its stored one (a fused projection's part): applies to an array
+    and to a block-quantized matrix (its codes and scales share the rows)."""
+
+    start: int
+    stop: int
+
+    def __call__(self, array: np.ndarray) -> np.ndarray:
+        return array[self.start:self.stop]
+
+    def of(self, q):
+        return dataclasses.replace(q, data=q.data[self.start:self.stop], scale=q.scale[self.start:self.stop],
+                                   shape=(self.stop - self.start, *q.shape[1:]))
+
 
 _SCALE_SUFFIXES = (".weight_scale", ".scale_weight")  # ComfyUI's quantized layers: new and old scale names
 # consumed with the weights: format records, activation scales, NVFP4's tensor scale
@@ -555,6 +581,22 @@ def placed(key: str, value):
     return value if place is None else place(key, value)
 
 
+_KEEP_BLOCKS: contextvars.ContextVar[Callable[[str], bool] | None] = contextvars.ContextVar("keep_blocks", default=None)
+
+
+@contextlib.contextmanager
+def keep_file_blocks(select: Callable[[str], bool]):
+    """While active, a parameter `select(module key)` picks is read in the checkpoint's own block format where the
+    checkpoint holds it in one ours holds exactly (a GGUF Q8_0 matrix: `quant.formats` int8_b32), not dequantized:
+    it reaches the module as a `QuantizedArray`, which `ops.linear` dequantizes for each product. The others load
+    as always."""
+    token = _KEEP_BLOCKS.set(select)
+    try:
+        yield
+    finally:
+        _KEEP_BLOCKS.reset(token)
+
+
 _SHAPES_ONLY: contextvars.ContextVar[bool] = contextvars.ContextVar("shapes_only", default=False)
 
 
@@ -601,8 +643,12 @@ def load_state(build: Callable[[], nnx.Module], keys: KeyMap, *, source: str = "
         return on_default_device(nnx.eval_shape(_placed_zeros, abstract))
     graphdef, state = nnx.split(abstract)
     flat = nnx.to_flat_state(state)
+    keep, quantized = _KEEP_BLOCKS.get(), getattr(keys.checkpoint, "quantized", None)
 
     def read(name: str) -> np.ndarray:
+        if keep is not None and quantized is not None and plan.conversions[name] is None and keep(name):
+            if (q := quantized(plan.sources[name])) is not None:
+                return q
         array = keys.checkpoint.get(plan.sources[name])
         if plan.conversions[name] is not None:
             array = np.ascontiguousarray(plan.conversions[name](array))
@@ -614,7 +660,7 @@ def load_state(build: Callable[[], nnx.Module], keys: KeyMap, *, source: str = "
     for (path, variable), (name, array) in zip(flat, read_ahead(names, read), strict=True):
         value = jax.device_put(array, may_alias=False)
         want = variable.get_value()
-        if value.dtype != want.dtype:
+        if isinstance(value, jax.Array) and value.dtype != want.dtype:  # (a kept block format stays as it is)
             value = value.astype(want.dtype)
         variable.set_value(placed(name, value))
         del array

@@ -16,6 +16,7 @@ import numpy as np
 from flax import nnx
 
 from mxdit.ops.names import AttentionKernel
+from mxdit.pallas_kernels.gemm import WEIGHT_FORMATS
 from mxdit.quant.gates import GateReport, evaluate
 from mxdit.quant.model import (dequantize_model, flux_rules, krea2_rules, quantize_activations, quantize_linear_layers,
                                quantize_model, weight_bytes, with_params)
@@ -189,7 +190,7 @@ def quality_table(pipe: Krea2Pipeline | FluxPipeline, formats: Sequence[str], pr
         rules = family_rules(fmt)
         transformer = with_params(pipe.transformer, dequantize_model(quantize_model(params, rules), pipe.transformer.dtype))
         variants = [(fmt, transformer)] + ([(f"{fmt} W+A", quantize_activations(transformer, rules))] if activations else [])
-        if kernels:
+        if kernels and fmt in WEIGHT_FORMATS:  # (the formats the GEMM kernels take)
             gemm = nnx.clone(pipe.transformer)
             quantize_linear_layers(gemm, rules, kernels=True)
             (flux_model if flux else krea2_model).stack_projections(gemm)  # as generate.py runs it

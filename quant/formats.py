@@ -9,6 +9,7 @@ Formats:
 | nvfp4 | FP4 E2M1 | E4M3 per block times one float32 per tensor | 16 |
 | int8 | INT8, symmetric | float32 per row | - |
 | int8_rot | INT8 of the row times a block-diagonal Hadamard(256) | float32 per row | 256 (rotation) |
+| int8_b32 | INT8, symmetric (GGUF's Q8_0, held exactly) | float16 amax / 127 per block | 32 |
 
 Exact rules, all computed here in float32 arithmetic that is exact for these formats (so it runs under jit, on any
 device, and matches ml_dtypes' casts bit for bit):
@@ -80,7 +81,7 @@ class Format:
     """A named quantization format (see the module docstring's table)."""
 
     name: str
-    kind: str  # "fp8" | "mx" | "nvfp4" | "int8"
+    kind: str  # "fp8" | "mx" | "nvfp4" | "int8" | "int8_block"
     element: ElementFormat | None  # None for INT8
     block: int | None = None
     rotated: bool = False
@@ -101,6 +102,9 @@ FORMATS = {
         Format("int8", "int8", None, doc="symmetric INT8, float32 scale per row (channel/token)"),
         Format("int8_rot", "int8", None, 256, rotated=True,
                doc="INT8 of rows rotated by a block-diagonal Hadamard of 256 (outliers spread; cancels in x.W^T)"),
+        Format("int8_b32", "int8_block", None, 32,
+               doc="INT8 in 32-blocks with a float16 scale each: GGUF's Q8_0, held exactly; dequantized for XLA's "
+                   "product (no GEMM kernel)"),
     )
 }
 
@@ -238,6 +242,8 @@ def quantize(x: jax.Array, fmt: str, axis: int = -1, *, per_tensor: bool = False
         data, scale, tensor_scale = _quantize_mx(moved, f)
     elif f.kind == "nvfp4":
         data, scale, tensor_scale = _quantize_nvfp4(moved, f)
+    elif f.kind == "int8_block":
+        data, scale, tensor_scale = _quantize_int8_blocks(moved, f)
     else:
         data, scale, tensor_scale = _quantize_int8(moved, f)
     return QuantizedArray(data, scale, tensor_scale, fmt, tuple(x.shape), axis)
@@ -329,6 +335,18 @@ def _quantize_int8(x, f: Format):
     return q, scale, None
 
 
+def _quantize_int8_blocks(x, f: Format):
+    """GGUF's Q8_0: a float16 scale amax / 127 per block, codes rounded against the float16 scale (so that a
+    dequantized Q8_0 block quantizes back to its own codes and scale)."""
+    blocks = _blocks(x, f.block)
+    amax = jnp.max(jnp.abs(blocks), axis=-1, keepdims=True)
+    scale = jnp.where(amax > 0, amax * _reciprocal(127.0), 1.0).astype(jnp.float16)
+    scale = jnp.where(_finite_rows(blocks) & jnp.isfinite(scale), scale, jnp.nan)
+    wide = scale.astype(jnp.float32)
+    q = jnp.clip(jnp.round(jnp.where(jnp.isfinite(blocks), blocks / wide, 0.0)), -127, 127).astype(jnp.int8)
+    return q.reshape(x.shape), scale[..., 0], None
+
+
 def element_values(qa: QuantizedArray) -> jax.Array:
     """The unscaled element values of a block-scaled (MX, NVFP4) array: its codes unpacked and decoded, float32 of
     `qa.data`'s leading shape with the padded last axis."""
@@ -348,6 +366,9 @@ def _dequantize(qa: QuantizedArray) -> jax.Array:
         values = qa.data.astype(jnp.float32) * qa.scale
         if f.rotated:
             values = _rotate(values, f.block)
+    elif f.kind == "int8_block":
+        values = _blocks(qa.data.astype(jnp.float32), f.block) * qa.scale.astype(jnp.float32)[..., None]
+        values = values.reshape(qa.data.shape)
     else:
         elements = _blocks(element_values(qa), f.block)
         if f.kind == "mx":

@@ -88,6 +88,7 @@ GATES = {
     "nvfp4": Gate(0.97, 0.25, min_relative_ssim=0.85),
     "int8": Gate(0.999, 0.05, min_relative_ssim=0.97),
     "int8_rot": Gate(0.999, 0.05, min_relative_ssim=0.97),
+    "int8_b32": Gate(0.999, 0.05, min_relative_ssim=0.97),  # 32-blocks: no coarser than int8's rows
 }
 
 

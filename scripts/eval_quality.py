@@ -57,7 +57,8 @@ def main(argv=None) -> int:
     parser.add_argument("--max-sequence-length", type=int, default=None)
     parser.add_argument("--activations", action="store_true", help="also rows with the layers' inputs quantized (W+A)")
     parser.add_argument("--kernels", action="store_true",
-                        help="also rows through the inference path: the GEMM kernels' numerics (generate.py --precision)")
+                        help="also rows through the inference path: the GEMM kernels' numerics (generate.py "
+                             "--precision), for the formats the kernels take")
     parser.add_argument("--attention", choices=[a.value for a in AttentionKernel if a.is_int8], default=None,
                         help="with --kernels: also rows with this attention kernel (generate.py --attention)")
     args = parser.parse_args(argv)

@@ -49,7 +49,7 @@ GGUF_SIZES = {"Q8_0": (32, 34), "Q6_K": (256, 210), "Q5_K": (256, 176), "Q4_K": 
 def gguf_file_bytes(shapes, kind: str) -> int:
     """Bytes of a GGUF file of these parameters as ComfyUI-GGUF's converter writes one: the matrices whose rows the
     blocks divide in `kind`, the rest in F16 (1-D tensors in F32). Read by mxdit, it becomes --precision's weights on
-    the device (its rows above)."""
+    the device (its rows above); Q8_0 stays as it is at the default precision (int8_b32's row)."""
     values, nbytes = GGUF_SIZES[kind]
     total = 0
     for key, (shape, _) in shapes.items():
@@ -63,7 +63,7 @@ def gguf_file_bytes(shapes, kind: str) -> int:
 
 # quant.formats.formats(), listed here so that parsing needs no jax (a test keeps the two equal)
 FORMAT_CHOICES = ("fp8_e4m3", "fp8_e5m2", "mxfp8_e4m3", "mxfp8_e5m2", "mxfp6_e2m3", "mxfp6_e3m2", "mxfp4_e2m1", "nvfp4",
-                  "int8", "int8_rot")
+                  "int8", "int8_rot", "int8_b32")
 
 
 def build_parser() -> OneLineErrorParser:

@@ -226,3 +226,54 @@ def test_a_transformer_file_and_a_quantized_checkpoint_are_not_given_together():
         InferenceOptions(quantized="q.safetensors", transformer="t.gguf")
     assert options_error(precision="bf16", quantized=True, sharded=False, offload=None, prefetch=2, fuse_loras=False,
                          transformer=True) == message
+
+
+@pytest.mark.parametrize("name", ["krea2_q8_0", "flux_q8_0"])
+def test_q8_0_matrices_stay_in_their_blocks_on_the_device(name):
+    """Under `keep_file_blocks` (generate.py's default with a GGUF transformer), each Q8_0 block matrix loads as an
+    int8_b32 QuantizedArray holding the file's own codes and scales (FLUX.1's fused projections as their row
+    ranges), dequantized for each product: the output of the weights dequantized on read, in a bit more than half
+    the device bytes of bf16."""
+    from mxdit.model.loading import keep_file_blocks
+    from mxdit.quant.formats import QuantizedArray
+    from mxdit.quant.model import any_family_rules, format_for
+
+    flux = name.startswith("flux")
+    build = FluxTransformer if flux else Krea2Transformer
+    config = FIXTURES / "flux" / "tiny" / "config.json" if flux else KREA2_TINY
+    rules = any_family_rules("int8_b32")
+    with keep_file_blocks(lambda key: format_for(key, (1, 1), rules) is not None):
+        kept = build.from_pretrained(GGUF / f"{name}.gguf", jnp.float32, config=config)
+    plain = dict(iter_params(build.from_pretrained(GGUF / f"{name}.gguf", jnp.float32, config=config)))
+    blocks = {k: v for k, v in iter_params(kept) if isinstance(v, QuantizedArray)}
+    selected = [k for k, v in plain.items() if format_for(k, v.shape, rules) and v.shape[1] % 32 == 0]
+    assert sorted(blocks) == sorted(selected) and blocks
+    for key, q in blocks.items():
+        assert q.fmt == "int8_b32" and q.data.dtype == jnp.int8 and q.scale.dtype == jnp.float16
+        np.testing.assert_array_equal(np.asarray(q.dequantize()), np.asarray(plain[key]), err_msg=key)
+    stored = sum(q.nbytes for q in blocks.values())
+    assert stored == sum(plain[k].size for k in blocks) * 34 // 32  # Q8_0's 34 bytes a block of 32
+    reference = dict(np.load(FIXTURES / ("flux" if flux else "krea2") / "reference.npz"))
+    names = (("hidden_states", "encoder_hidden_states", "pooled_projections", "timestep", "img_ids", "txt_ids",
+              "guidance") if flux else
+             ("hidden_states", "encoder_hidden_states", "timestep", "position_ids", "encoder_attention_mask"))
+    args = [reference[k] for k in names]
+    whole = build.from_pretrained(GGUF / f"{name}.gguf", jnp.float32, config=config)
+    np.testing.assert_array_equal(np.asarray(kept(*args)), np.asarray(whole(*args)))
+
+
+def test_generate_keeps_q8_0_blocks_unless_a_precision_is_asked(tmp_path):
+    """build_pipeline with a Q8_0 transformer file: int8_b32 block matrices at the default precision; with
+    --precision the file's values quantized into that format, as before."""
+    from mxdit.model.inference import InferenceOptions, build_pipeline
+    from mxdit.pallas_kernels.gemm import GemmWeight
+    from mxdit.quant.formats import QuantizedArray
+
+    folder = FIXTURES / "krea2" / "tiny_pipeline"
+    _gguf_copy(folder / "transformer" / "diffusion_pytorch_model.safetensors", tmp_path / "q8_0.gguf", "Q8_0")
+    for options, kind in ((dict(), QuantizedArray), (dict(precision="int8"), GemmWeight)):
+        transformer = build_pipeline(folder, InferenceOptions(dtype="float32", transformer=tmp_path / "q8_0.gguf",
+                                                              **options)).transformer
+        ff = transformer.transformer_blocks[0].ff  # stacked with gate into gate_up where the format allows
+        weight = (ff.up or ff.gate_up).weight.get_value()
+        assert isinstance(weight, kind), (options, type(weight))

@@ -438,7 +438,8 @@ def test_values_on_the_format_grid_round_trip_exactly(fmt, data):
         x = f32(blocks * f32(block_scales * tensor_scale)).reshape(rows, width)
     else:
         blocks = grid_values(f.element, (rows, width // (f.block or width), f.block or width), rng)
-        scales = 2.0 ** rng.integers(-30, 31, (rows, width // (f.block or width), 1))
+        low, high = (-14, 16) if fmt == "int8_b32" else (-30, 31)  # int8_b32: float16 scales, normal ones
+        scales = 2.0 ** rng.integers(low, high, (rows, width // (f.block or width), 1))
         x = f32(blocks * scales).reshape(rows, width)
     np.testing.assert_array_equal(np.asarray(round_trip(x, fmt)[1]), x)
 
@@ -460,8 +461,12 @@ def test_scaling_the_input_by_a_power_of_two_scales_the_output(fmt, data):
     """Scales follow amax exactly: x * 2^k quantizes to the same elements, its dequantized values are those of x
     times 2^k (within float32's normal range, where nothing is flushed or overflows)."""
     rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1)))
-    x = (rng.standard_t(2, (3, 64)) * 10.0 ** data.draw(st.integers(-8, 8))).astype(np.float32)
-    k = data.draw(st.integers(-20, 20))
+    if fmt == "int8_b32":  # float16 scales: amax / 127 within float16's normal range, 6.1e-5 to 65504
+        x = (rng.standard_t(2, (3, 64)) * 10.0 ** data.draw(st.integers(0, 2))).astype(np.float32)
+        k = data.draw(st.integers(-4, 4))
+    else:
+        x = (rng.standard_t(2, (3, 64)) * 10.0 ** data.draw(st.integers(-8, 8))).astype(np.float32)
+        k = data.draw(st.integers(-20, 20))
     (qa, out), (qk, scaled) = round_trip(x, fmt), round_trip(x * np.float32(2.0**k), fmt)
     np.testing.assert_array_equal(np.asarray(qk.data).view(np.uint8), np.asarray(qa.data).view(np.uint8))
     np.testing.assert_array_equal(np.asarray(scaled), np.asarray(out) * np.float32(2.0**k))
@@ -520,3 +525,9 @@ def test_storage_shapes_and_any_axis(fmt, shape, axis):
         expected = {"fp8": lambda m: reference_fp8(m, fmt, False), "int8": reference_int8,
                     "nvfp4": reference_nvfp4}[f.kind](moved)
     assert_same(out, np.moveaxis(expected, -1, axis))
+
+
+def test_every_format_has_an_admission_gate():
+    from mxdit.quant.gates import GATES
+
+    assert set(formats()) <= set(GATES)
