@@ -26,11 +26,12 @@ from typing import Literal
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 from jax.sharding import Mesh, PartitionSpec as P
 
 from mxdit.ops.attention import attention
 
-from .mesh import BATCH_AXES
+from .mesh import AXES, BATCH_AXES, shard_params
 
 SEQ = "seq"
 Method = Literal["ulysses", "ring"]
@@ -162,3 +163,16 @@ class SequenceParallelAttention:
         if self.method_for(q.shape[2]) == "ulysses":
             return ulysses_attention(q, k, v, kv_lengths, mesh=self.mesh, implementation=self.implementation)
         return ring_attention(q, k, v, kv_lengths, mesh=self.mesh)
+
+
+def sequence_parallel_model(transformer: nnx.Module, mesh: Mesh, method: Method | None, weights: str):
+    """A copy of `transformer` (a new module over the same arrays) for `mesh`: its `joint_attention`
+    sequence-parallel over `seq` where that axis is above 1, its weights replicated (`weights="replicated"`) or
+    split over every device (`"sharded"`). Returns its (graphdef, state)."""
+    if weights not in ("replicated", "sharded"):
+        raise ValueError(f"weights must be 'replicated' or 'sharded', got {weights!r}")
+    model = nnx.merge(*nnx.split(transformer))
+    if mesh.shape[SEQ] > 1:
+        model.joint_attention = SequenceParallelAttention(mesh, method, implementation=transformer.attention)
+    shard_params(model, mesh, () if weights == "replicated" else AXES)
+    return nnx.split(model)

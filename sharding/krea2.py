@@ -33,8 +33,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from mxdit.model.krea2 import Krea2Transformer
 from mxdit.model.pipeline_krea2 import Krea2Pipeline, denoise_step
 
-from .attention import Method, SequenceParallelAttention
-from .mesh import AXES, BATCH_AXES, activation_rules, batch_sharding, check_batch, describe, shard_params
+from .attention import Method, sequence_parallel_model
+from .mesh import BATCH_AXES, activation_rules, batch_sharding, check_batch, describe
 
 
 def pad_text(embeds: jax.Array, mask: jax.Array, position_ids: jax.Array, image_len: int,
@@ -71,14 +71,8 @@ def krea2_denoise_step(transformer: Krea2Transformer, mesh: Mesh, *, method: Met
     """
     if mesh.shape["tensor"] > 1:
         raise ValueError(f"mesh {describe(mesh)}: tensor parallelism is not implemented; use seq")
-    if weights not in ("replicated", "sharded"):
-        raise ValueError(f"weights must be 'replicated' or 'sharded', got {weights!r}")
     degree = mesh.shape["seq"]
-    model = nnx.merge(*nnx.split(transformer))  # a new module over the same arrays
-    if degree > 1:
-        model.joint_attention = SequenceParallelAttention(mesh, method, implementation=transformer.attention)
-    shard_params(model, mesh, () if weights == "replicated" else AXES)
-    graphdef, state = nnx.split(model)
+    graphdef, state = sequence_parallel_model(transformer, mesh, method, weights)
     replicated = NamedSharding(mesh, P())
 
     def sharded_step(state, latents, embeds, mask, ids, t, sigma, sigma_next, guidance, cfg: bool):

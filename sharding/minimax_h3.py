@@ -25,8 +25,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from mxdit.model.minimax_h3 import MiniMaxH3Transformer
 from mxdit.model.pipeline_minimax_h3 import MiniMaxH3Pipeline, denoise_step, pad_structure
 
-from .attention import Method, SequenceParallelAttention
-from .mesh import AXES, BATCH_AXES, activation_rules, describe, shard_params
+from .attention import Method, sequence_parallel_model
+from .mesh import BATCH_AXES, activation_rules, describe
 
 
 def minimax_h3_denoise_step(transformer: MiniMaxH3Transformer, mesh: Mesh, *, method: Method | None = None,
@@ -40,14 +40,8 @@ def minimax_h3_denoise_step(transformer: MiniMaxH3Transformer, mesh: Mesh, *, me
     if split:
         raise ValueError(f"mesh {describe(mesh)}: MiniMax H3 splits one video's sequence, over seq alone (weights="
                          f"'sharded' spreads the weights over it), not {', '.join(split)}")
-    if weights not in ("replicated", "sharded"):
-        raise ValueError(f"weights must be 'replicated' or 'sharded', got {weights!r}")
     degree = mesh.shape["seq"]
-    model = nnx.merge(*nnx.split(transformer))  # a new module over the same arrays
-    if degree > 1:
-        model.joint_attention = SequenceParallelAttention(mesh, method, implementation=transformer.attention)
-    shard_params(model, mesh, () if weights == "replicated" else AXES)
-    graphdef, state = nnx.split(model)
+    graphdef, state = sequence_parallel_model(transformer, mesh, method, weights)
     replicated = NamedSharding(mesh, P())
 
     def sharded_step(state, prompt_embeds, video_rows, audio_rows, structure, sigma, audio_sigma):
