@@ -7,7 +7,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import jax
@@ -119,8 +119,8 @@ def _wrap(text: str, width: int) -> list[str]:
 def quality_table(pipe: Krea2Pipeline | FluxPipeline, formats: Sequence[str], prompts: Sequence[str],
                   seeds: Sequence[int], *, height: int, width: int, steps: int | None = None,
                   max_sequence_length: int = 512, guidance: float | None = None, activations: bool = False,
-                  kernels: bool = False, attention: str | None = None, clip=None, batch_size: int = 4
-                  ) -> list[QualityRow]:
+                  kernels: bool = False, attention: str | None = None, clip=None, batch_size: int = 4,
+                  progress: Callable[[str], None] | None = None) -> list[QualityRow]:
     """The quality table of a Krea 2 or FLUX.1 pipeline: per format, SSIM and PSNR of the decoded images against
     the unquantized ones (all prompts x seeds side by side), the cosine of the transformer's output with the
     unquantized one's at each denoising step of those images, and cosine etc. of the transformer's output on fixed
@@ -132,7 +132,9 @@ def quality_table(pipe: Krea2Pipeline | FluxPipeline, formats: Sequence[str], pr
     in the weights' format), or with `kernels` the inference path itself (rows `fmt GEMM`: `quantize_linear_layers`,
     the GEMM kernels' numerics with activations per token in FP8, or INT8 for INT8 weights, the projections stacked
     as generate.py stacks them), and with `attention` (a kernel name, e.g. "int8_mosaic_fp8") also that path with
-    the attention kernel (rows `fmt GEMM+attention`; the reference keeps the pipeline's own attention)."""
+    the attention kernel (rows `fmt GEMM+attention`; the reference keeps the pipeline's own attention).
+    `progress(line)`: told of each batch of images made and each row finished."""
+    report = progress or (lambda line: None)
     flux = isinstance(pipe, FluxPipeline)
     family_rules = flux_rules if flux else krea2_rules
     kwargs = dict(height=height, width=width, num_inference_steps=steps, max_sequence_length=max_sequence_length,
@@ -147,7 +149,7 @@ def quality_table(pipe: Krea2Pipeline | FluxPipeline, formats: Sequence[str], pr
         tiles = [images[p, :, s * width:(s + 1) * width] for p in range(len(prompts)) for s in range(len(seeds))]
         return clip_scores(*clip, tiles, [p for p in prompts for _ in seeds]).reshape(len(prompts), len(seeds))
 
-    def generate(p) -> tuple[np.ndarray, np.ndarray]:
+    def generate(p, name: str) -> tuple[np.ndarray, np.ndarray]:
         """The images (prompts, height, width * seeds, 3) uint8, and each denoising step's change of the latents
         (steps, seeds * prompts, tokens, channels) float32: the (guided) transformer output times the step's sigma
         difference, which every row shares, so that the changes' cosines are the outputs'."""
@@ -162,6 +164,7 @@ def quality_table(pipe: Krea2Pipeline | FluxPipeline, formats: Sequence[str], pr
                         callback=lambda i, t, latents: trail.append(np.asarray(latents)), **kwargs)
                 tiles.append(unit_range_to_uint8(out.images * 2 - 1))
                 seed_changes.append(np.diff(np.stack(trail), axis=0))
+                report(f"{name}: seed {seed}, {start + len(chunk)} of {len(prompts)} prompts")
             columns.append(np.concatenate(tiles))
             changes.append(np.concatenate(seed_changes, axis=1))
         return np.concatenate(columns, axis=2), np.concatenate(changes, axis=1)
@@ -182,9 +185,10 @@ def quality_table(pipe: Krea2Pipeline | FluxPipeline, formats: Sequence[str], pr
     params = dict(iter_params(pipe.transformer))
     shapes = {k: (tuple(v.shape), v.dtype) for k, v in params.items()}
     start = time.perf_counter()
-    (reference_images, reference_changes), reference_velocity = generate(pipe), velocity(pipe.transformer)
+    (reference_images, reference_changes), reference_velocity = generate(pipe, "reference"), velocity(pipe.transformer)
     rows = [QualityRow("reference", weight_bytes(shapes, []), None, reference_images, scores(reference_images),
                        seconds=time.perf_counter() - start)]
+    report(f"reference: {rows[-1].seconds:.1f} s")
     for fmt in formats:
         start = time.perf_counter()
         rules = family_rules(fmt)
@@ -202,10 +206,11 @@ def quality_table(pipe: Krea2Pipeline | FluxPipeline, formats: Sequence[str], pr
         for name, model in variants:
             quantized = copy.copy(pipe)  # the same pipeline around the variant's transformer
             quantized.transformer = model
-            candidate, changes = generate(quantized)
-            report = evaluate(fmt, velocity(model), reference_velocity, candidate, reference_images)
-            rows.append(QualityRow(name, weight_bytes(shapes, rules), report, candidate, scores(candidate),
+            candidate, changes = generate(quantized, name)
+            gate = evaluate(fmt, velocity(model), reference_velocity, candidate, reference_images)
+            rows.append(QualityRow(name, weight_bytes(shapes, rules), gate, candidate, scores(candidate),
                                    step_cosines(changes, reference_changes), time.perf_counter() - start))
+            report(f"{name}: {rows[-1].seconds:.1f} s")
             start = time.perf_counter()
     return rows
 

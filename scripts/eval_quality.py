@@ -20,9 +20,15 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 from pathlib import Path
 
 from mxdit.ops.names import AttentionKernel
+
+
+def progress(line: str) -> None:
+    """What the run has done so far, on standard error (a full-size run takes minutes a row)."""
+    print(line, file=sys.stderr, flush=True)
 
 
 def main(argv=None) -> int:
@@ -93,7 +99,9 @@ def main(argv=None) -> int:
     try:
         if args.demo:
             print("demo: RANDOM weights -- the figures show the machinery works, not how good a format is")
+        start = time.perf_counter()
         pipe = build_pipeline(None if args.demo else args.model, options)
+        progress(f"pipeline loaded in {time.perf_counter() - start:.1f} s")
         clip = None
         if args.clip is not None:
             from mxdit.model.clip import load_clip
@@ -106,7 +114,7 @@ def main(argv=None) -> int:
                          steps=args.steps or (2 if args.demo else None),
                          max_sequence_length=args.max_sequence_length or (64 if args.demo else 512),
                          guidance=args.guidance, activations=args.activations, kernels=args.kernels,
-                         attention=args.attention, clip=clip, batch_size=args.batch_size)
+                         attention=args.attention, clip=clip, batch_size=args.batch_size, progress=progress)
     print(format_table(rows))
     if args.sheet is not None:
         from mxdit.model.loading import write_atomically
