@@ -307,14 +307,15 @@ def _load(model: str | Path | None, options: InferenceOptions, dtype) -> Krea2Pi
 
         places.append(streamed_placement_for_folder(model, options.offload))
     keep = contextlib.nullcontext()
-    if options.quantized is None and options.precision is Precision.BF16 and not options.fuse_loras:
-        # A GGUF file's Q8_0 block matrices stay as it holds them (int8_b32: 1.06 bytes a weight on the device)
+    if options.quantized is None and not options.fuse_loras:
+        # Block matrices a file holds in the format asked for stay as they are: bf16 keeps a GGUF file's Q8_0
+        # (int8_b32: 1.06 bytes a weight on the device), fp8 a ComfyUI fp8_scaled file's codes, mxfp8 its MXFP8
         from mxdit.quant.model import any_family_rules, format_for
 
         from .loading import keep_file_blocks
 
-        rules = any_family_rules("int8_b32")
-        keep = keep_file_blocks(lambda key: format_for(key, (1, 1), rules) is not None)
+        rules = any_family_rules(options.precision.weight_format or "int8_b32")
+        keep = keep_file_blocks(lambda key: format_for(key, (1, 1), rules))
     with place_parameters(*places), keep:
         return load_pipeline(model, dtype=dtype, quantized_transformer=options.quantized,
                              transformer_file=options.transformer)

@@ -17,6 +17,7 @@ import concurrent.futures
 import contextlib
 import contextvars
 import dataclasses
+import functools
 import json
 import os
 import stat
@@ -377,7 +378,7 @@ def dequantize_comfy(checkpoint: Checkpoint) -> Checkpoint:
     scales = {k[: -len(s)] + ".weight": k for k in keys for s in _SCALE_SUFFIXES if k.endswith(s)}
     if not scales:
         return checkpoint
-    derived, present = {}, set(keys)
+    derived, present, blocks = {}, set(keys), {}
     for weight, scale_key in scales.items():
         if weight not in present:
             raise CheckpointError(f"{checkpoint.files[0]}: scale {scale_key!r} has no weight {weight!r}")
@@ -386,9 +387,49 @@ def dequantize_comfy(checkpoint: Checkpoint) -> Checkpoint:
         if config.get("format") == "nvfp4":  # two codes a byte
             shape = (*shape[:-1], 2 * shape[-1])
         derived[weight] = (weight, _dequantizer(checkpoint, weight, scale_key, config), shape)
+        blocks[weight] = functools.partial(_comfy_blocks, checkpoint, weight, scale_key, config)
     consumed = set(scales.values()) | {"scaled_fp8"}
     passthrough = [k for k in keys if k not in derived and k not in consumed and not k.endswith(_COMFY_EXTRA)]
-    return DerivedCheckpoint(checkpoint, derived, passthrough)
+    return _ComfyCheckpoint(checkpoint, derived, passthrough, blocks)
+
+
+class _ComfyCheckpoint(DerivedCheckpoint):
+    """`dequantize_comfy`'s view, which also gives a layer in the format of ours that holds it exactly
+    (`quantized`, for `keep_file_blocks`)."""
+
+    def __init__(self, base: Checkpoint, derived, passthrough, blocks: Mapping[str, Callable]):
+        super().__init__(base, derived, passthrough)
+        self.blocks = dict(blocks)
+
+    def quantized(self, key: str):
+        make = self.blocks.get(key)
+        return None if make is None else make()
+
+
+def _comfy_blocks(checkpoint: Checkpoint, weight: str, scale_key: str, config: dict):
+    """A ComfyUI layer as a `quant.formats.QuantizedArray` of ours with the same codes, where one holds it exactly
+    (numpy arrays): per-tensor E4M3 as fp8_e4m3 (the tensor's scale on every row), MXFP8 as mxfp8_e4m3 (the scales
+    unswizzled). None for the other formats, and for an MXFP8 block whose zero scale (comfy-kitchen's 0, our 2^-127)
+    holds non-zero codes."""
+    from mxdit.quant.formats import QuantizedArray
+
+    fmt, shape = config.get("format"), tuple(checkpoint.shape(weight))
+    if len(shape) != 2 or fmt not in ("float8_e4m3fn", "mxfp8"):
+        return None
+    codes = np.asarray(checkpoint.get(weight))
+    if codes.dtype != ml_dtypes.float8_e4m3fn:
+        return None
+    rows, cols = shape
+    if fmt == "float8_e4m3fn":
+        scale = np.float32(np.asarray(checkpoint.get(scale_key), np.float32).reshape(-1)[0])
+        return QuantizedArray(codes, np.full((rows, 1), scale, np.float32), None, "fp8_e4m3", shape, 1)
+    if cols % 32:
+        return None
+    bits = unswizzle_e8m0(np.asarray(checkpoint.get(scale_key)).view(np.uint8), rows, cols // 32)
+    if np.any((bits == 0) & np.any(codes.view(np.uint8).reshape(rows, cols // 32, 32) & 0x7F, axis=-1)):
+        return None
+    return QuantizedArray(codes, np.ascontiguousarray(bits).view(ml_dtypes.float8_e8m0fnu), None, "mxfp8_e4m3",
+                          shape, 1)
 
 
 def open_checkpoint(path: Path, weights_name: str) -> Checkpoint:
@@ -581,15 +622,18 @@ def placed(key: str, value):
     return value if place is None else place(key, value)
 
 
-_KEEP_BLOCKS: contextvars.ContextVar[Callable[[str], bool] | None] = contextvars.ContextVar("keep_blocks", default=None)
+_KEEP_BLOCKS: contextvars.ContextVar[Callable[[str], str | None] | None] = contextvars.ContextVar("keep_blocks",
+                                                                                            default=None)
 
 
 @contextlib.contextmanager
-def keep_file_blocks(select: Callable[[str], bool]):
-    """While active, a parameter `select(module key)` picks is read in the checkpoint's own block format where the
-    checkpoint holds it in one ours holds exactly (a GGUF Q8_0 matrix: `quant.formats` int8_b32), not dequantized:
-    it reaches the module as a `QuantizedArray`, which `ops.linear` dequantizes for each product. The others load
-    as always."""
+def keep_file_blocks(select: Callable[[str], str | None]):
+    """While active, a parameter whose checkpoint tensor is stored in the format `select(module key)` names (one of
+    `quant.formats`), exactly, is read as it is stored, not dequantized: a GGUF Q8_0 matrix as int8_b32, a ComfyUI
+    per-tensor E4M3 layer as fp8_e4m3, ComfyUI MXFP8 as mxfp8_e4m3 (the checkpoint's `quantized`). It reaches the
+    placement (`place_parameters`; `quant.model.quantize_on_load` makes a kernel weight of it without quantizing
+    again) or the module as a `QuantizedArray`, which `ops.linear` dequantizes for each product. The others load as
+    always."""
     token = _KEEP_BLOCKS.set(select)
     try:
         yield
@@ -647,7 +691,7 @@ def load_state(build: Callable[[], nnx.Module], keys: KeyMap, *, source: str = "
 
     def read(name: str) -> np.ndarray:
         if keep is not None and quantized is not None and plan.conversions[name] is None and keep(name):
-            if (q := quantized(plan.sources[name])) is not None:
+            if (q := quantized(plan.sources[name])) is not None and q.fmt == keep(name):
                 return q
         array = keys.checkpoint.get(plan.sources[name])
         if plan.conversions[name] is not None:

@@ -262,6 +262,9 @@ def quantize_on_load(rules: Rules):
     tensor at most."""
 
     def place(key: str, value: jax.Array):
+        if isinstance(value, QuantizedArray):  # read in its format as stored (`loading.keep_file_blocks`)
+            _, prepare_jit = _weight_quantizers()
+            return prepare_jit(value, backend=weight_layout()) if value.fmt in WEIGHT_FORMATS else value
         fmt = format_for(key, tuple(value.shape), rules)
         return _quantized_weight(value, fmt, kernels=True) if fmt else value
 

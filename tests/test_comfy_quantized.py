@@ -83,7 +83,9 @@ def test_scale_unswizzle_inverts_the_swizzle_and_matches_the_offset_rule():
         assert flat[offset] == scales[r, c]
 
 
-def test_mxfp8_file_loads_as_dequantized_weights(tmp_path):
+def comfy_mxfp8_file(path):
+    """The tiny original-layout checkpoint with its block matrices (those 32 divides) in comfy-kitchen's MXFP8; the
+    file, "mxfp8_e4m3" and the weights it stands for."""
     tensors = load_file(str(TINY / "tiny_original.safetensors"))
     expected = {}
     for key in list(tensors):
@@ -102,8 +104,12 @@ def test_mxfp8_file_loads_as_dequantized_weights(tmp_path):
         tensors[layer + ".comfy_quant"] = np.frombuffer(json.dumps({"format": "mxfp8"}).encode(), np.uint8)
         expected[original_key_to_diffusers(key)] = (data.astype(np.float32).reshape(blocks.shape)
                                                     * scale[..., None]).reshape(w.shape)
-    file = tmp_path / "krea2_mxfp8.safetensors"
-    save_safetensors(tensors, file)
+    save_safetensors(tensors, path)
+    return path, "mxfp8_e4m3", expected
+
+
+def test_mxfp8_file_loads_as_dequantized_weights(tmp_path):
+    file, _, expected = comfy_mxfp8_file(tmp_path / "krea2_mxfp8.safetensors")
     model = Krea2Transformer.from_pretrained(file, jnp.float32, config=TINY / "tiny" / "config.json")
     params = dict(iter_params(model))
     assert len(expected) == 10  # q, k, v, gate, out of 2 blocks (the 48-wide SwiGLU is not a multiple of 32)
@@ -205,3 +211,39 @@ def test_unknown_comfy_format_is_named(tmp_path):
     save_safetensors(tensors, file)
     with pytest.raises(CheckpointError, match="quantized as 'int8_blockwise', which mxdit cannot read yet"):
         Krea2Transformer.from_pretrained(file, config=TINY / "tiny" / "config.json")
+
+
+def test_e4m3_and_mxfp8_layers_keep_their_codes_for_the_matching_precision(tmp_path):
+    """With --precision fp8 (mxfp8), a per-tensor E4M3 (MXFP8) layer is read in our fp8_e4m3 (mxfp8_e4m3) format as
+    stored (`keep_file_blocks`): the file's values to the bit, made a kernel weight without quantizing again (the
+    Mosaic layout then folds MX exponents per tile, as for any MXFP8 weight), where re-quantizing the read values
+    with our own rule (per channel; another exponent rule) moves them."""
+    from mxdit.model.krea2 import diffusers_key_to_original
+    from mxdit.model.loading import SafetensorsCheckpoint, dequantize_comfy, keep_file_blocks, place_parameters
+    from mxdit.pallas_kernels.gemm import GemmWeight, prepare_weight
+    from mxdit.pallas_kernels.gemm.reference import dequantize_weight
+    from mxdit.quant.model import format_for, krea2_rules, quantize_on_load, weight_layout
+
+    fp8_file = tmp_path / "fp8_scaled.safetensors"
+    expected = comfy_fp8_file(fp8_file, "new")
+    config = TINY / "tiny" / "config.json"
+
+    def values(weight, like):  # a kernel weight's values, without the tiles' padding
+        return np.asarray(dequantize_weight(weight))[:like.shape[0], :like.shape[1]]
+
+    for file, fmt, want in ((fp8_file, "fp8_e4m3", expected), comfy_mxfp8_file(tmp_path / "mxfp8.safetensors")):
+        rules = krea2_rules(fmt)
+        with place_parameters(quantize_on_load(rules)), keep_file_blocks(lambda key: format_for(key, (1, 1), rules)):
+            kept = dict(iter_params(Krea2Transformer.from_pretrained(file, jnp.float32, config=config)))
+        with place_parameters(quantize_on_load(rules)):
+            requantized = dict(iter_params(Krea2Transformer.from_pretrained(file, jnp.float32, config=config)))
+        view = dequantize_comfy(SafetensorsCheckpoint([file]))
+        moved = 0
+        for key, value in want.items():
+            stored = view.quantized("model.diffusion_model." + diffusers_key_to_original(key))
+            assert stored.fmt == fmt and isinstance(kept[key], GemmWeight), key
+            np.testing.assert_array_equal(np.asarray(stored.dequantize()), value, err_msg=key)
+            np.testing.assert_array_equal(values(kept[key], value),
+                                          values(prepare_weight(stored, backend=weight_layout()), value), err_msg=key)
+            moved += not np.array_equal(values(requantized[key], value), values(kept[key], value))
+        assert moved > 0, fmt
