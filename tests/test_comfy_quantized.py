@@ -18,12 +18,18 @@ TINY = FIXTURES / "krea2"
 MATRICES = (".attn.wq.", ".attn.wk.", ".attn.wv.", ".attn.wo.", ".attn.gate.", ".mlp.gate.", ".mlp.up.", ".mlp.down.")
 
 
-def comfy_fp8_file(path, style: str):
+def krea2_matrix(key: str, w: np.ndarray) -> bool:
+    return (key.startswith("model.diffusion_model.blocks.") and key.endswith(".weight")
+            and any(m in key for m in MATRICES))
+
+
+def comfy_fp8_file(path, style: str, source=TINY / "tiny_original.safetensors", select=krea2_matrix,
+                   rename=original_key_to_diffusers):
     """The tiny original-layout checkpoint with its block matrices in FP8 E4M3, one float32 scale each."""
-    tensors = load_file(str(TINY / "tiny_original.safetensors"))
+    tensors = load_file(str(source))
     expected = {}
     for key in list(tensors):
-        if key.startswith("model.diffusion_model.blocks.") and key.endswith(".weight") and any(m in key for m in MATRICES):
+        if select(key, tensors[key]):
             w = tensors[key]
             scale = np.float32(np.abs(w).max() / 448)
             fp8 = (w / scale).astype(ml_dtypes.float8_e4m3fn)
@@ -35,7 +41,7 @@ def comfy_fp8_file(path, style: str):
             else:
                 tensors[layer + ".weight_scale"] = np.array(scale, np.float32)
                 tensors[layer + ".comfy_quant"] = np.frombuffer(json.dumps({"format": "float8_e4m3fn"}).encode(), np.uint8)
-            expected[original_key_to_diffusers(key)] = fp8.astype(np.float32) * scale
+            expected[rename(key)] = fp8.astype(np.float32) * scale
     if style == "old":
         tensors["scaled_fp8"] = np.zeros(0, ml_dtypes.float8_e4m3fn)
     save_safetensors(tensors, path)
@@ -83,15 +89,15 @@ def test_scale_unswizzle_inverts_the_swizzle_and_matches_the_offset_rule():
         assert flat[offset] == scales[r, c]
 
 
-def comfy_mxfp8_file(path):
+def comfy_mxfp8_file(path, source=TINY / "tiny_original.safetensors", select=None, rename=original_key_to_diffusers):
     """The tiny original-layout checkpoint with its block matrices (those 32 divides) in comfy-kitchen's MXFP8; the
     file, "mxfp8_e4m3" and the weights it stands for."""
-    tensors = load_file(str(TINY / "tiny_original.safetensors"))
+    tensors = load_file(str(source))
     expected = {}
     for key in list(tensors):
         w = tensors[key]
-        if not (key.startswith("model.diffusion_model.blocks.") and key.endswith(".weight") and w.ndim == 2
-                and w.shape[0] % 32 == 0 and w.shape[1] % 32 == 0):
+        if not ((select or (lambda k, _: k.startswith("model.diffusion_model.blocks.")))(key, w)
+                and key.endswith(".weight") and w.ndim == 2 and w.shape[0] % 32 == 0 and w.shape[1] % 32 == 0):
             continue
         blocks = w.reshape(w.shape[0], -1, 32)
         amax = np.abs(blocks).max(-1)
@@ -102,8 +108,7 @@ def comfy_mxfp8_file(path):
         tensors[key] = data
         tensors[layer + ".weight_scale"] = to_blocked(exp.astype(np.uint8))
         tensors[layer + ".comfy_quant"] = np.frombuffer(json.dumps({"format": "mxfp8"}).encode(), np.uint8)
-        expected[original_key_to_diffusers(key)] = (data.astype(np.float32).reshape(blocks.shape)
-                                                    * scale[..., None]).reshape(w.shape)
+        expected[rename(key)] = (data.astype(np.float32).reshape(blocks.shape) * scale[..., None]).reshape(w.shape)
     save_safetensors(tensors, path)
     return path, "mxfp8_e4m3", expected
 
@@ -247,3 +252,48 @@ def test_e4m3_and_mxfp8_layers_keep_their_codes_for_the_matching_precision(tmp_p
                                           values(prepare_weight(stored, backend=weight_layout()), value), err_msg=key)
             moved += not np.array_equal(values(requantized[key], value), values(kept[key], value))
         assert moved > 0, fmt
+
+
+def flux_matrix(key: str, w: np.ndarray) -> bool:
+    blocks = ("model.diffusion_model.double_blocks.", "model.diffusion_model.single_blocks.")
+    return (key.startswith(blocks) and key.endswith(".weight") and w.ndim == 2
+            and not key.endswith(("_mod.lin.weight", "modulation.lin.weight")))
+
+
+@pytest.mark.parametrize("fmt", ["fp8_e4m3", "mxfp8_e4m3"])
+def test_flux_comfy_file_loads_as_its_values_and_keeps_e4m3_codes(tmp_path, fmt):
+    """FLUX.1's original layout in ComfyUI's per-tensor E4M3 and MXFP8: the weights of a float32 file of the values
+    they stand for (its fused q/k/v and linear1 split as any original file's); with --precision fp8 the E4M3 codes
+    kept through the split (row ranges of the stored layer) give those values to the bit."""
+    from safetensors.numpy import load_file as load
+
+    from mxdit.model.flux import FluxTransformer
+    from mxdit.model.loading import keep_file_blocks, place_parameters
+    from mxdit.pallas_kernels.gemm import GemmWeight
+    from mxdit.pallas_kernels.gemm.reference import dequantize_weight
+    from mxdit.quant.model import flux_rules, format_for, quantize_on_load
+
+    source, same = FIXTURES / "flux" / "tiny_original.safetensors", (lambda key: key)
+    file = tmp_path / "flux.safetensors"
+    if fmt == "fp8_e4m3":
+        values = comfy_fp8_file(file, "new", source, flux_matrix, same)
+    else:
+        _, _, values = comfy_mxfp8_file(file, source, flux_matrix, same)
+    plain = tmp_path / "plain.safetensors"
+    save_safetensors({**load(str(source)), **values}, plain)
+    config = FIXTURES / "flux" / "tiny" / "config.json"
+    want = dict(iter_params(FluxTransformer.from_pretrained(plain, jnp.float32, config=config)))
+    got = dict(iter_params(FluxTransformer.from_pretrained(file, jnp.float32, config=config)))
+    assert values and want.keys() == got.keys()
+    for key in want:
+        np.testing.assert_array_equal(np.asarray(got[key]), np.asarray(want[key]), err_msg=key)
+    rules = flux_rules(fmt)
+    with place_parameters(quantize_on_load(rules)), keep_file_blocks(lambda key: format_for(key, (1, 1), rules)):
+        kept = dict(iter_params(FluxTransformer.from_pretrained(file, jnp.float32, config=config)))
+    weights = {k: v for k, v in kept.items() if isinstance(v, GemmWeight)}
+    assert weights and all(w.fmt == fmt for w in weights.values())
+    if fmt == "fp8_e4m3":  # (MXFP8's Mosaic layout folds exponents per tile: the Krea 2 test checks it)
+        for key, weight in weights.items():
+            rows, cols = want[key].shape
+            np.testing.assert_array_equal(np.asarray(dequantize_weight(weight))[:rows, :cols], np.asarray(want[key]),
+                                          err_msg=key)
