@@ -133,14 +133,15 @@ def shapes_known_first(model: str | Path | None, options: InferenceOptions) -> b
     """Whether `pipeline_shapes` can build this pipeline: from a model folder, with nothing read from other files
     into its weights (LoRAs, a quantized checkpoint) and on one device without streaming (no mesh, no offload)."""
     return (model is not None and not options.loras and options.quantized is None and options.offload is None
-            and options.mesh is None and not _gguf_transformer(model, options))
+            and options.mesh is None and not _file_blocks_may_stay(model, options))
 
 
-def _gguf_transformer(model: str | Path, options: InferenceOptions) -> bool:
-    """Whether the transformer is read from a GGUF file (`--transformer`, or the folder's transformer/), whose Q8_0
-    matrices load in their own block format (`loading.keep_file_blocks`): known only as the file is read."""
+def _file_blocks_may_stay(model: str | Path, options: InferenceOptions) -> bool:
+    """Whether the transformer may load some matrices in a file's own block format (`loading.keep_file_blocks`),
+    which only reading the file tells: a `--transformer` file (ComfyUI's or GGUF), or a GGUF file in the folder's
+    transformer/."""
     if options.transformer is not None:
-        return Path(options.transformer).suffix.lower() == ".gguf"
+        return True
     folder = Path(model) / "transformer"
     return folder.is_dir() and any(f.suffix.lower() == ".gguf" for f in folder.iterdir())
 
@@ -308,14 +309,16 @@ def _load(model: str | Path | None, options: InferenceOptions, dtype) -> Krea2Pi
         places.append(streamed_placement_for_folder(model, options.offload))
     keep = contextlib.nullcontext()
     if options.quantized is None and not options.fuse_loras:
-        # Block matrices a file holds in the format asked for stay as they are: bf16 keeps a GGUF file's Q8_0
-        # (int8_b32: 1.06 bytes a weight on the device), fp8 a ComfyUI fp8_scaled file's codes, mxfp8 its MXFP8
+        # Block matrices a file holds in the format asked for stay as they are: fp8 keeps a ComfyUI fp8_scaled
+        # file's codes, mxfp8 its MXFP8; bf16 keeps the formats no kernel takes, dequantized for each product: a GGUF
+        # file's Q8_0 (int8_b32: 1.06 bytes a weight on the device) and ComfyUI's NVFP4 (0.56)
         from mxdit.quant.model import any_family_rules, format_for
 
         from .loading import keep_file_blocks
 
-        rules = any_family_rules(options.precision.weight_format or "int8_b32")
-        keep = keep_file_blocks(lambda key: format_for(key, (1, 1), rules))
+        fmt = options.precision.weight_format
+        rules, kept = any_family_rules(fmt or "int8_b32"), (fmt,) if fmt else ("int8_b32", "nvfp4")
+        keep = keep_file_blocks(lambda key: kept if format_for(key, (1, 1), rules) else ())
     with place_parameters(*places), keep:
         return load_pipeline(model, dtype=dtype, quantized_transformer=options.quantized,
                              transformer_file=options.transformer)

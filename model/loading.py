@@ -408,15 +408,24 @@ class _ComfyCheckpoint(DerivedCheckpoint):
 
 def _comfy_blocks(checkpoint: Checkpoint, weight: str, scale_key: str, config: dict):
     """A ComfyUI layer as a `quant.formats.QuantizedArray` of ours with the same codes, where one holds it exactly
-    (numpy arrays): per-tensor E4M3 as fp8_e4m3 (the tensor's scale on every row), MXFP8 as mxfp8_e4m3 (the scales
-    unswizzled). None for the other formats, and for an MXFP8 block whose zero scale (comfy-kitchen's 0, our 2^-127)
-    holds non-zero codes."""
+    (numpy arrays): per-tensor E4M3 as fp8_e4m3 (the tensor's scale on every row), MXFP8 as mxfp8_e4m3 and NVFP4 as
+    nvfp4 (the scales unswizzled; NVFP4's nibbles swapped). None for the other formats, and for an MXFP8 block whose
+    zero scale (comfy-kitchen's 0, our 2^-127) holds non-zero codes."""
     from mxdit.quant.formats import QuantizedArray
 
     fmt, shape = config.get("format"), tuple(checkpoint.shape(weight))
-    if len(shape) != 2 or fmt not in ("float8_e4m3fn", "mxfp8"):
+    if len(shape) != 2 or fmt not in ("float8_e4m3fn", "mxfp8", "nvfp4"):
         return None
     codes = np.asarray(checkpoint.get(weight))
+    if fmt == "nvfp4":  # two E2M1 codes a byte, the even element in the high nibble (ours: the low one)
+        rows, cols = shape[0], 2 * shape[1]
+        if codes.dtype != np.uint8 or cols % 16:
+            return None
+        layer = weight[: -len(".weight")]
+        scales = unswizzle_e8m0(np.asarray(checkpoint.get(scale_key)).view(np.uint8), rows, cols // 16)
+        tensor_scale = np.asarray(checkpoint.get(layer + ".weight_scale_2"), np.float32).reshape(-1)[0]
+        return QuantizedArray(((codes & 0x0F) << 4) | (codes >> 4), np.ascontiguousarray(scales).view(
+            ml_dtypes.float8_e4m3fn), np.float32(tensor_scale), "nvfp4", (rows, cols), 1)
     if codes.dtype != ml_dtypes.float8_e4m3fn:
         return None
     rows, cols = shape
@@ -622,15 +631,16 @@ def placed(key: str, value):
     return value if place is None else place(key, value)
 
 
-_KEEP_BLOCKS: contextvars.ContextVar[Callable[[str], str | None] | None] = contextvars.ContextVar("keep_blocks",
-                                                                                            default=None)
+_KEEP_BLOCKS: contextvars.ContextVar[Callable[[str], Sequence[str]] | None] = contextvars.ContextVar("keep_blocks",
+                                                                                              default=None)
 
 
 @contextlib.contextmanager
-def keep_file_blocks(select: Callable[[str], str | None]):
-    """While active, a parameter whose checkpoint tensor is stored in the format `select(module key)` names (one of
-    `quant.formats`), exactly, is read as it is stored, not dequantized: a GGUF Q8_0 matrix as int8_b32, a ComfyUI
-    per-tensor E4M3 layer as fp8_e4m3, ComfyUI MXFP8 as mxfp8_e4m3 (the checkpoint's `quantized`). It reaches the
+def keep_file_blocks(select: Callable[[str], Sequence[str]]):
+    """While active, a parameter whose checkpoint tensor is stored, exactly, in one of the formats `select(module
+    key)` names (of `quant.formats`) is read as it is stored, not dequantized: a GGUF Q8_0 matrix as int8_b32, a
+    ComfyUI per-tensor E4M3 layer as fp8_e4m3, its MXFP8 as mxfp8_e4m3, its NVFP4 as nvfp4 (the checkpoint's
+    `quantized`). It reaches the
     placement (`place_parameters`; `quant.model.quantize_on_load` makes a kernel weight of it without quantizing
     again) or the module as a `QuantizedArray`, which `ops.linear` dequantizes for each product. The others load as
     always."""
@@ -691,7 +701,7 @@ def load_state(build: Callable[[], nnx.Module], keys: KeyMap, *, source: str = "
 
     def read(name: str) -> np.ndarray:
         if keep is not None and quantized is not None and plan.conversions[name] is None and keep(name):
-            if (q := quantized(plan.sources[name])) is not None and q.fmt == keep(name):
+            if (q := quantized(plan.sources[name])) is not None and q.fmt in keep(name):
                 return q
         array = keys.checkpoint.get(plan.sources[name])
         if plan.conversions[name] is not None:

@@ -125,10 +125,11 @@ def test_mxfp8_file_loads_as_dequantized_weights(tmp_path):
 E2M1 = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], np.float32)
 
 
-def test_nvfp4_file_loads_as_dequantized_weights(tmp_path):
+def comfy_nvfp4_file(path):
     """comfy-kitchen's NVFP4, its rules written out: a float32 tensor scale amax / (448 * 6), E4M3 block scales of
     16 (block amax / 6 over the tensor scale, rounded to E4M3) in the swizzled layout, E2M1 codes of the values over
-    both scales packed two a byte with the even element in the high nibble."""
+    both scales packed two a byte with the even element in the high nibble. The weights it stands for, and the
+    originals."""
     tensors = load_file(str(TINY / "tiny_original.safetensors"))
     expected, before = {}, {}
     for key in list(tensors):
@@ -151,8 +152,13 @@ def test_nvfp4_file_loads_as_dequantized_weights(tmp_path):
         values = np.where(codes >= 8, -E2M1[codes & 7], E2M1[codes & 7])
         expected[original_key_to_diffusers(key)] = (values * total[..., None]).reshape(w.shape)
         before[original_key_to_diffusers(key)] = w
+    save_safetensors(tensors, path)
+    return expected, before
+
+
+def test_nvfp4_file_loads_as_dequantized_weights(tmp_path):
     file = tmp_path / "krea2_nvfp4.safetensors"
-    save_safetensors(tensors, file)
+    expected, before = comfy_nvfp4_file(file)
     model = Krea2Transformer.from_pretrained(file, jnp.float32, config=TINY / "tiny" / "config.json")
     params = dict(iter_params(model))
     assert len(expected) == 16  # q, k, v, gate, out and the SwiGLU of 2 blocks
@@ -238,7 +244,8 @@ def test_e4m3_and_mxfp8_layers_keep_their_codes_for_the_matching_precision(tmp_p
 
     for file, fmt, want in ((fp8_file, "fp8_e4m3", expected), comfy_mxfp8_file(tmp_path / "mxfp8.safetensors")):
         rules = krea2_rules(fmt)
-        with place_parameters(quantize_on_load(rules)), keep_file_blocks(lambda key: format_for(key, (1, 1), rules)):
+        wanted = lambda key: (format_for(key, (1, 1), rules),)  # noqa: E731
+        with place_parameters(quantize_on_load(rules)), keep_file_blocks(wanted):
             kept = dict(iter_params(Krea2Transformer.from_pretrained(file, jnp.float32, config=config)))
         with place_parameters(quantize_on_load(rules)):
             requantized = dict(iter_params(Krea2Transformer.from_pretrained(file, jnp.float32, config=config)))
@@ -288,7 +295,8 @@ def test_flux_comfy_file_loads_as_its_values_and_keeps_e4m3_codes(tmp_path, fmt)
     for key in want:
         np.testing.assert_array_equal(np.asarray(got[key]), np.asarray(want[key]), err_msg=key)
     rules = flux_rules(fmt)
-    with place_parameters(quantize_on_load(rules)), keep_file_blocks(lambda key: format_for(key, (1, 1), rules)):
+    wanted = lambda key: (format_for(key, (1, 1), rules),)  # noqa: E731
+    with place_parameters(quantize_on_load(rules)), keep_file_blocks(wanted):
         kept = dict(iter_params(FluxTransformer.from_pretrained(file, jnp.float32, config=config)))
     weights = {k: v for k, v in kept.items() if isinstance(v, GemmWeight)}
     assert weights and all(w.fmt == fmt for w in weights.values())
@@ -297,3 +305,26 @@ def test_flux_comfy_file_loads_as_its_values_and_keeps_e4m3_codes(tmp_path, fmt)
             rows, cols = want[key].shape
             np.testing.assert_array_equal(np.asarray(dequantize_weight(weight))[:rows, :cols], np.asarray(want[key]),
                                           err_msg=key)
+
+
+def test_nvfp4_layers_stay_nvfp4_at_the_default_precision(tmp_path):
+    """build_pipeline's default precision keeps a ComfyUI NVFP4 layer as our nvfp4 (its codes, unswizzled E4M3
+    scales and tensor scale: no kernel takes it, so it is dequantized for each product): the file's values to the
+    bit, and the output of the weights dequantized on read."""
+    from mxdit.model.loading import keep_file_blocks
+    from mxdit.quant.formats import QuantizedArray
+
+    file = tmp_path / "krea2_nvfp4.safetensors"
+    expected, _ = comfy_nvfp4_file(file)
+    config = TINY / "tiny" / "config.json"
+    with keep_file_blocks(lambda key: ("int8_b32", "nvfp4")):
+        model = Krea2Transformer.from_pretrained(file, jnp.float32, config=config)
+    params = dict(iter_params(model))
+    for key, value in expected.items():
+        assert isinstance(params[key], QuantizedArray) and params[key].fmt == "nvfp4", key
+        np.testing.assert_array_equal(np.asarray(params[key].dequantize()), value, err_msg=key)
+    r = dict(np.load(TINY / "reference.npz"))
+    args = (r["hidden_states"], r["encoder_hidden_states"], r["timestep"], r["position_ids"],
+            r["encoder_attention_mask"])
+    whole = Krea2Transformer.from_pretrained(file, jnp.float32, config=config)
+    np.testing.assert_array_equal(np.asarray(model(*args)), np.asarray(whole(*args)))

@@ -242,7 +242,7 @@ def test_q8_0_matrices_stay_in_their_blocks_on_the_device(name):
     build = FluxTransformer if flux else Krea2Transformer
     config = FIXTURES / "flux" / "tiny" / "config.json" if flux else KREA2_TINY
     rules = any_family_rules("int8_b32")
-    with keep_file_blocks(lambda key: format_for(key, (1, 1), rules)):
+    with keep_file_blocks(lambda key: (format_for(key, (1, 1), rules),)):  # int8_b32
         kept = build.from_pretrained(GGUF / f"{name}.gguf", jnp.float32, config=config)
     plain = dict(iter_params(build.from_pretrained(GGUF / f"{name}.gguf", jnp.float32, config=config)))
     blocks = {k: v for k, v in iter_params(kept) if isinstance(v, QuantizedArray)}
