@@ -125,17 +125,21 @@ def test_mxfp8_file_loads_as_dequantized_weights(tmp_path):
 E2M1 = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], np.float32)
 
 
-def comfy_nvfp4_file(path):
+def in_blocks(key: str, w: np.ndarray) -> bool:
+    return key.startswith("model.diffusion_model.blocks.") and key.endswith(".weight") and w.ndim == 2
+
+
+def comfy_nvfp4_file(path, source=TINY / "tiny_original.safetensors", select=in_blocks,
+                     rename=original_key_to_diffusers):
     """comfy-kitchen's NVFP4, its rules written out: a float32 tensor scale amax / (448 * 6), E4M3 block scales of
     16 (block amax / 6 over the tensor scale, rounded to E4M3) in the swizzled layout, E2M1 codes of the values over
     both scales packed two a byte with the even element in the high nibble. The weights it stands for, and the
     originals."""
-    tensors = load_file(str(TINY / "tiny_original.safetensors"))
+    tensors = load_file(str(source))
     expected, before = {}, {}
     for key in list(tensors):
         w = tensors[key]
-        if not (key.startswith("model.diffusion_model.blocks.") and key.endswith(".weight") and w.ndim == 2
-                and w.shape[0] % 16 == 0 and w.shape[1] % 16 == 0):
+        if not (select(key, w) and w.shape[0] % 16 == 0 and w.shape[1] % 16 == 0):
             continue
         tensor_scale = np.float32(np.abs(w).max() / (448 * 6))
         blocks = w.reshape(w.shape[0], -1, 16)
@@ -150,8 +154,8 @@ def comfy_nvfp4_file(path):
         tensors[layer + ".weight_scale_2"] = np.array(tensor_scale, np.float32)
         tensors[layer + ".comfy_quant"] = np.frombuffer(json.dumps({"format": "nvfp4"}).encode(), np.uint8)
         values = np.where(codes >= 8, -E2M1[codes & 7], E2M1[codes & 7])
-        expected[original_key_to_diffusers(key)] = (values * total[..., None]).reshape(w.shape)
-        before[original_key_to_diffusers(key)] = w
+        expected[rename(key)] = (values * total[..., None]).reshape(w.shape)
+        before[rename(key)] = w
     save_safetensors(tensors, path)
     return expected, before
 
@@ -167,20 +171,19 @@ def test_nvfp4_file_loads_as_dequantized_weights(tmp_path):
         assert relative_l2(value, before[key]) < 0.12, key  # what they stand for, to 4 bits (measured 0.094-0.099)
 
 
-@pytest.mark.parametrize("convrot", [True, False])
-def test_convrot_int8_file_loads_as_dequantized_weights(tmp_path, convrot):
+def comfy_int8_file(path, convrot: bool, source=TINY / "tiny_original.safetensors", select=in_blocks,
+                    rename=original_key_to_diffusers):
     """ComfyUI's INT8 (`int8_tensorwise`, comfy-kitchen's rules written out): with ConvRot each row rotated in groups
     of 16 along K by the regular Hadamard (Kronecker powers of the 4x4 one whose rows all sum to 2, normalized), then
-    INT8 with a float32 scale per row (absmax / 127); without it, one scale for the tensor. Loaded, the rotation is
-    undone: the weights they stand for to float32 rounding, and to INT8's precision the originals."""
+    INT8 with a float32 scale per row (absmax / 127); without it, one scale for the tensor. The weights it stands
+    for, the originals, and the file's tensors with the last layer's record."""
     h4 = np.array([[1, 1, 1, -1], [1, 1, -1, 1], [1, -1, 1, 1], [-1, 1, 1, 1]], np.float64)
     hadamard = np.kron(h4, h4) / 4  # 16 x 16, orthonormal and symmetric
-    tensors = load_file(str(TINY / "tiny_original.safetensors"))
+    tensors = load_file(str(source))
     expected, before = {}, {}
     for key in list(tensors):
         w = tensors[key]
-        if not (key.startswith("model.diffusion_model.blocks.") and key.endswith(".weight") and w.ndim == 2
-                and w.shape[1] % 16 == 0):
+        if not (select(key, w) and w.shape[1] % 16 == 0):
             continue
         rows, cols = w.shape
         rotated = (w.reshape(rows, -1, 16) @ hadamard).reshape(rows, cols) if convrot else w.astype(np.float64)
@@ -195,10 +198,18 @@ def test_convrot_int8_file_loads_as_dequantized_weights(tmp_path, convrot):
         values = codes.astype(np.float64) * scale
         if convrot:
             values = (values.reshape(rows, -1, 16) @ hadamard).reshape(rows, cols)
-        expected[original_key_to_diffusers(key)] = values
-        before[original_key_to_diffusers(key)] = w
+        expected[rename(key)] = values
+        before[rename(key)] = w
+    save_safetensors(tensors, path)
+    return expected, before, (tensors, layer, record)
+
+
+@pytest.mark.parametrize("convrot", [True, False])
+def test_convrot_int8_file_loads_as_dequantized_weights(tmp_path, convrot):
+    """ComfyUI's INT8, with and without ConvRot (`comfy_int8_file`). Loaded, the rotation is undone: the weights they
+    stand for to float32 rounding, and to INT8's precision the originals."""
     file = tmp_path / "krea2_int8.safetensors"
-    save_safetensors(tensors, file)
+    expected, before, (tensors, layer, record) = comfy_int8_file(file, convrot)
     model = Krea2Transformer.from_pretrained(file, jnp.float32, config=TINY / "tiny" / "config.json")
     params = dict(iter_params(model))
     assert len(expected) == 16
@@ -267,11 +278,12 @@ def flux_matrix(key: str, w: np.ndarray) -> bool:
             and not key.endswith(("_mod.lin.weight", "modulation.lin.weight")))
 
 
-@pytest.mark.parametrize("fmt", ["fp8_e4m3", "mxfp8_e4m3"])
-def test_flux_comfy_file_loads_as_its_values_and_keeps_e4m3_codes(tmp_path, fmt):
-    """FLUX.1's original layout in ComfyUI's per-tensor E4M3 and MXFP8: the weights of a float32 file of the values
-    they stand for (its fused q/k/v and linear1 split as any original file's); with --precision fp8 the E4M3 codes
-    kept through the split (row ranges of the stored layer) give those values to the bit."""
+@pytest.mark.parametrize("fmt", ["fp8_e4m3", "mxfp8_e4m3", "nvfp4", "convrot_int8"])
+def test_flux_comfy_files_load_as_their_values_and_keep_their_codes(tmp_path, fmt):
+    """FLUX.1's original layout in ComfyUI's per-tensor E4M3, MXFP8, NVFP4 and ConvRot INT8: the weights of a
+    float32 file of the values they stand for (its fused q/k/v and linear1 split as any original file's; ConvRot's
+    rotation undone, to float32 rounding); with --precision fp8 the E4M3 codes kept through the split (row ranges of
+    the stored layer) give those values to the bit, and NVFP4 stays nvfp4 at the default precision."""
     from safetensors.numpy import load_file as load
 
     from mxdit.model.flux import FluxTransformer
@@ -284,16 +296,33 @@ def test_flux_comfy_file_loads_as_its_values_and_keeps_e4m3_codes(tmp_path, fmt)
     file = tmp_path / "flux.safetensors"
     if fmt == "fp8_e4m3":
         values = comfy_fp8_file(file, "new", source, flux_matrix, same)
-    else:
+    elif fmt == "mxfp8_e4m3":
         _, _, values = comfy_mxfp8_file(file, source, flux_matrix, same)
+    elif fmt == "nvfp4":
+        values, _ = comfy_nvfp4_file(file, source, flux_matrix, same)
+    else:
+        values, _, _ = comfy_int8_file(file, True, source, flux_matrix, same)
+        values = {k: v.astype(np.float32) for k, v in values.items()}
     plain = tmp_path / "plain.safetensors"
     save_safetensors({**load(str(source)), **values}, plain)
     config = FIXTURES / "flux" / "tiny" / "config.json"
     want = dict(iter_params(FluxTransformer.from_pretrained(plain, jnp.float32, config=config)))
     got = dict(iter_params(FluxTransformer.from_pretrained(file, jnp.float32, config=config)))
     assert values and want.keys() == got.keys()
-    for key in want:
-        np.testing.assert_array_equal(np.asarray(got[key]), np.asarray(want[key]), err_msg=key)
+    for key in want:  # ConvRot: the float32 sums of the rotation, bounded as in the Krea 2 test
+        atol = 4e-7 * float(np.abs(want[key]).max()) if fmt == "convrot_int8" else 0
+        np.testing.assert_allclose(np.asarray(got[key]), np.asarray(want[key]), rtol=0, atol=atol, err_msg=key)
+    if fmt == "nvfp4":
+        from mxdit.quant.formats import QuantizedArray
+
+        with keep_file_blocks(lambda key: ("int8_b32", "nvfp4")):
+            kept = dict(iter_params(FluxTransformer.from_pretrained(file, jnp.float32, config=config)))
+        blocks = {k: v for k, v in kept.items() if isinstance(v, QuantizedArray)}
+        assert blocks and all(q.fmt == "nvfp4" for q in blocks.values())
+        for key, q in blocks.items():
+            np.testing.assert_array_equal(np.asarray(q.dequantize()), np.asarray(want[key]), err_msg=key)
+    if fmt not in ("fp8_e4m3", "mxfp8_e4m3"):
+        return
     rules = flux_rules(fmt)
     wanted = lambda key: (format_for(key, (1, 1), rules),)  # noqa: E731
     with place_parameters(quantize_on_load(rules)), keep_file_blocks(wanted):
