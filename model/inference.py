@@ -71,8 +71,10 @@ class InferenceOptions:
     quantized: a quantized checkpoint of the transformer (scripts/quantize.py) read in place of the model folder's
         transformer weights; its formats are the precision.
     transformer: a single file of the transformer's weights read in place of the model folder's (its config.json
-        still gives the sizes): `.safetensors` in diffusers' or the original release's key names (ComfyUI's FP8-scaled
-        and MXFP8 files too) or `.gguf` (`gguf_checkpoint`), dequantized as read, then in `precision`.
+        still gives the sizes): `.safetensors` in diffusers' or the original release's key names (ComfyUI's quantized
+        files too) or `.gguf` (`gguf_checkpoint`), dequantized as read, then in `precision`; but a block matrix the
+        file holds in a format that `precision` keeps is read as stored (`_load`: Q8_0 and NVFP4 at bf16, E4M3 at
+        fp8, MXFP8 at mxfp8).
     stack: the projections that share an input (Q/K/V/gate, gate/up) as one product each; never with a `mesh`, whose
         sharding places them by name.
     mesh: run the denoising loop on this device mesh (Krea 2); sequence_attention: with a `seq` axis above 1,
