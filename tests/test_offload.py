@@ -236,6 +236,7 @@ def test_streamed_minimax_h3_denoises_as_diffusers(tiny_h3):
         assert float(jnp.linalg.norm(got - want) / np.linalg.norm(want)) <= 5e-7
 
 
+@pytest.mark.slow  # about 34 s on 2 cores: two demo pipelines
 def test_offloaded_video_pipeline_makes_the_same_video(tmp_path):
     from mxdit.model.pipeline_minimax_h3 import demo_pipeline
 
