@@ -300,6 +300,16 @@ def unswizzle_e8m0(blocked: np.ndarray, rows: int, cols: int) -> np.ndarray:
     return x.reshape(padded_rows, padded_cols)[:rows, :cols]
 
 
+def _stored_scalar(checkpoint: Checkpoint, key: str) -> np.float32:
+    """A scale stored as a tensor of one value (any shape), as float32."""
+    return np.float32(np.asarray(checkpoint.get(key), np.float32).reshape(-1)[0])
+
+
+def _stored_block_scales(checkpoint: Checkpoint, key: str, rows: int, cols: int) -> np.ndarray:
+    """Block scales stored in cuBLAS's swizzled layout, as their (rows, cols) bytes (`unswizzle_e8m0`)."""
+    return unswizzle_e8m0(np.asarray(checkpoint.get(key)).view(np.uint8), rows, cols)
+
+
 def _comfy_config(checkpoint: Checkpoint, layer: str) -> dict:
     """A quantized layer's `.comfy_quant` record ({"format": ..., and the format's options})."""
     record = layer + ".comfy_quant"
@@ -338,12 +348,12 @@ def _dequantizer(checkpoint: Checkpoint, weight: str, scale_key: str, config: di
             return (w.reshape(rows, cols // group, group) @ rotation).reshape(rows, cols)
         return dequantize
     if fmt in ("float8_e4m3fn", "float8_e5m2"):
-        scale = np.float32(np.asarray(checkpoint.get(scale_key), np.float32).reshape(-1)[0])
+        scale = _stored_scalar(checkpoint, scale_key)
         return lambda a: a.astype(np.float32) * scale
     if fmt == "mxfp8":
         def dequantize(a):
             rows, cols = a.shape
-            bits = unswizzle_e8m0(np.asarray(checkpoint.get(scale_key)).view(np.uint8), rows, cols // 32)
+            bits = _stored_block_scales(checkpoint, scale_key, rows, cols // 32)
             # comfy-kitchen's E8M0 decoding: 2^(e - 127), with e = 0 meaning a zero scale
             scale = np.where(bits == 0, 0.0, np.ldexp(np.float32(1.0), bits.astype(np.int32) - 127)).astype(np.float32)
             return (a.astype(np.float32).reshape(rows, cols // 32, 32) * scale[..., None]).reshape(rows, cols)
@@ -356,8 +366,8 @@ def _dequantizer(checkpoint: Checkpoint, weight: str, scale_key: str, config: di
             # in cuBLAS's swizzled layout; `.weight_scale_2` the float32 tensor scale, multiplied into the block's
             rows, cols = a.shape[0], 2 * a.shape[1]
             codes = np.stack([a >> 4, a & 0x0F], axis=-1).reshape(rows, cols)
-            bits = unswizzle_e8m0(np.asarray(checkpoint.get(scale_key)).view(np.uint8), rows, cols // 16)
-            tensor_scale = np.float32(np.asarray(checkpoint.get(layer + ".weight_scale_2"), np.float32).reshape(-1)[0])
+            bits = _stored_block_scales(checkpoint, scale_key, rows, cols // 16)
+            tensor_scale = _stored_scalar(checkpoint, layer + ".weight_scale_2")
             scale = bits.view(ml_dtypes.float8_e4m3fn).astype(np.float32) * tensor_scale
             return (_E2M1_VALUES[codes].reshape(rows, cols // 16, 16) * scale[..., None]).reshape(rows, cols)
         return dequantize
@@ -422,19 +432,19 @@ def _comfy_blocks(checkpoint: Checkpoint, weight: str, scale_key: str, config: d
         if codes.dtype != np.uint8 or cols % 16:
             return None
         layer = weight[: -len(".weight")]
-        scales = unswizzle_e8m0(np.asarray(checkpoint.get(scale_key)).view(np.uint8), rows, cols // 16)
-        tensor_scale = np.asarray(checkpoint.get(layer + ".weight_scale_2"), np.float32).reshape(-1)[0]
+        scales = _stored_block_scales(checkpoint, scale_key, rows, cols // 16)
+        tensor_scale = _stored_scalar(checkpoint, layer + ".weight_scale_2")
         return QuantizedArray(((codes & 0x0F) << 4) | (codes >> 4), np.ascontiguousarray(scales).view(
-            ml_dtypes.float8_e4m3fn), np.float32(tensor_scale), "nvfp4", (rows, cols), 1)
+            ml_dtypes.float8_e4m3fn), tensor_scale, "nvfp4", (rows, cols), 1)
     if codes.dtype != ml_dtypes.float8_e4m3fn:
         return None
     rows, cols = shape
     if fmt == "float8_e4m3fn":
-        scale = np.float32(np.asarray(checkpoint.get(scale_key), np.float32).reshape(-1)[0])
+        scale = _stored_scalar(checkpoint, scale_key)
         return QuantizedArray(codes, np.full((rows, 1), scale, np.float32), None, "fp8_e4m3", shape, 1)
     if cols % 32:
         return None
-    bits = unswizzle_e8m0(np.asarray(checkpoint.get(scale_key)).view(np.uint8), rows, cols // 32)
+    bits = _stored_block_scales(checkpoint, scale_key, rows, cols // 32)
     if np.any((bits == 0) & np.any(codes.view(np.uint8).reshape(rows, cols // 32, 32) & 0x7F, axis=-1)):
         return None
     return QuantizedArray(codes, np.ascontiguousarray(bits).view(ml_dtypes.float8_e8m0fnu), None, "mxfp8_e4m3",
@@ -640,10 +650,9 @@ def keep_file_blocks(select: Callable[[str], Sequence[str]]):
     """While active, a parameter whose checkpoint tensor is stored, exactly, in one of the formats `select(module
     key)` names (of `quant.formats`) is read as it is stored, not dequantized: a GGUF Q8_0 matrix as int8_b32, a
     ComfyUI per-tensor E4M3 layer as fp8_e4m3, its MXFP8 as mxfp8_e4m3, its NVFP4 as nvfp4 (the checkpoint's
-    `quantized`). It reaches the
-    placement (`place_parameters`; `quant.model.quantize_on_load` makes a kernel weight of it without quantizing
-    again) or the module as a `QuantizedArray`, which `ops.linear` dequantizes for each product. The others load as
-    always."""
+    `quantized`). It reaches the placement (`place_parameters`; `quant.model.quantize_on_load` makes a kernel weight
+    of it without quantizing again) or the module as a `QuantizedArray`, which `ops.linear` dequantizes for each
+    product. The others load as always."""
     token = _KEEP_BLOCKS.set(select)
     try:
         yield
@@ -700,8 +709,8 @@ def load_state(build: Callable[[], nnx.Module], keys: KeyMap, *, source: str = "
     keep, quantized = _KEEP_BLOCKS.get(), getattr(keys.checkpoint, "quantized", None)
 
     def read(name: str) -> np.ndarray:
-        if keep is not None and quantized is not None and plan.conversions[name] is None and keep(name):
-            if (q := quantized(plan.sources[name])) is not None and q.fmt in keep(name):
+        if keep is not None and quantized is not None and plan.conversions[name] is None and (formats := keep(name)):
+            if (q := quantized(plan.sources[name])) is not None and q.fmt in formats:
                 return q
         array = keys.checkpoint.get(plan.sources[name])
         if plan.conversions[name] is not None:
