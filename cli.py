@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import sys
 import threading
 from pathlib import Path
 
@@ -104,6 +105,12 @@ def check_model_arguments(parser: argparse.ArgumentParser, args: argparse.Namesp
     if args.compile_ahead is None:
         args.compile_ahead = can_compile_ahead
     args.dtype = args.dtype or ("fp32" if args.demo else "bf16")
+
+
+def progress(line: str) -> None:
+    """What a long run has done so far, on standard error, as it happens (a benchmark's phases, a quality
+    protocol's rows)."""
+    print(line, file=sys.stderr, flush=True)
 
 
 def check_output(parser: argparse.ArgumentParser, output: Path, overwrite: bool) -> None:

@@ -23,12 +23,8 @@ import sys
 import time
 from pathlib import Path
 
+from mxdit.cli import progress
 from mxdit.ops.names import AttentionKernel
-
-
-def progress(line: str) -> None:
-    """What the run has done so far, on standard error (a full-size run takes minutes a row)."""
-    print(line, file=sys.stderr, flush=True)
 
 
 def main(argv=None) -> int:

@@ -8,8 +8,10 @@ import time
 
 import numpy as np
 
+from mxdit.cli import progress
+
 from .inputs import flux_inputs, krea2_inputs, lora_step_config, random_model
-from .rows import emit, error_text, flags, progress, subprocess_rows, write_json
+from .rows import emit, error_text, flags, subprocess_rows, write_json
 from .timing import jax_peak_gb, memory_fraction
 
 

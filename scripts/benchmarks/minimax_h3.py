@@ -8,7 +8,9 @@ from pathlib import Path
 
 import numpy as np
 
-from .rows import emit, error_text, flags, progress, step_table, subprocess_rows, write_json
+from mxdit.cli import progress
+
+from .rows import emit, error_text, flags, step_table, subprocess_rows, write_json
 from .timing import jax_peak_gb, timed
 
 # diffusers' MiniMaxH3Transformer3DModel config of a tiny model (--tiny: the path on a CPU)

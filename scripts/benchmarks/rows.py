@@ -24,11 +24,6 @@ def emit(row: dict) -> dict:
     return row
 
 
-def progress(message: str) -> None:
-    """A phase of a subprocess's work, on standard error (the log beside --json's file), as it happens."""
-    print(message, file=sys.stderr, flush=True)
-
-
 def subprocess_rows(args, command: str, forwarded: list[str], env: dict | None = None) -> list[dict]:
     """Run part of a benchmark as `benchmark.py command *forwarded` in a subprocess (so that frameworks and models
     never share GPU memory); its result rows. `env`: variables added to the subprocess's environment. With --json,
