@@ -144,8 +144,10 @@ def _file_blocks_may_stay(model: str | Path, options: InferenceOptions) -> bool:
     transformer/."""
     if options.transformer is not None:
         return True
+    from .loading import gguf_files
+
     folder = Path(model) / "transformer"
-    return folder.is_dir() and any(f.suffix.lower() == ".gguf" for f in folder.iterdir())
+    return folder.is_dir() and bool(gguf_files(folder))
 
 
 def pipeline_shapes(model: str | Path, options: InferenceOptions = InferenceOptions()) -> Krea2Pipeline | FluxPipeline:

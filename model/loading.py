@@ -451,6 +451,11 @@ def _comfy_blocks(checkpoint: Checkpoint, weight: str, scale_key: str, config: d
                           shape, 1)
 
 
+def gguf_files(folder: Path) -> list[Path]:
+    """The `.gguf` files in `folder` (a model folder's transformer/ may hold one in place of its safetensors)."""
+    return sorted(f for f in Path(folder).iterdir() if f.is_file() and f.suffix.lower() == ".gguf")
+
+
 def open_checkpoint(path: Path, weights_name: str) -> Checkpoint:
     """Open `path`: a single `.safetensors` or `.gguf` file (`gguf_checkpoint`), or a folder holding
     `{weights_name}.safetensors`, the shards named by `{weights_name}.safetensors.index.json` or one `.gguf` file.
@@ -481,7 +486,7 @@ def open_checkpoint(path: Path, weights_name: str) -> Checkpoint:
         if misplaced:
             raise CheckpointError(f"{index}: keys not found in the shard it names: {_listing(misplaced)}")
         return checkpoint
-    ggufs = sorted(f for f in path.iterdir() if f.is_file() and f.suffix.lower() == ".gguf")
+    ggufs = gguf_files(path)
     if len(ggufs) == 1:  # a GGUF file in place of the safetensors (the folder's config.json gives the sizes)
         from .gguf_checkpoint import GGUFCheckpoint
 
@@ -622,17 +627,22 @@ def place_parameters(*places: Callable[[str, jax.Array], jax.Array]):
     """While active, every parameter `load_state` reads goes through `place(module_key, array)` as it arrives, one
     tensor at a time (through each of `places` in turn): model/offload.py sends the streamed blocks straight to host
     memory, so a model larger than the device loads at all; `quant.model.quantize_on_load` quantizes block matrices."""
+    token = _PLACEMENT.set(chained_places(*places))
+    try:
+        yield
+    finally:
+        _PLACEMENT.reset(token)
+
+
+def chained_places(*places: Callable[[str, jax.Array], jax.Array]) -> Callable[[str, jax.Array], jax.Array]:
+    """One `place(module_key, array)` that passes the array through each of `places` in turn."""
 
     def place(key: str, value):
         for step in places:
             value = step(key, value)
         return value
 
-    token = _PLACEMENT.set(place)
-    try:
-        yield
-    finally:
-        _PLACEMENT.reset(token)
+    return place
 
 
 def placed(key: str, value):

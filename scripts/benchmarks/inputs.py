@@ -91,28 +91,30 @@ def flux_flops(cfg, image_len: int, text_len: int) -> float:
     return cfg.num_layers * double + cfg.num_single_layers * single
 
 
-def random_model(build, place=None, limit_gb: float | None = None):
+def random_model(build, *places, limit_gb: float | None = None):
     """The module `build()` makes (only traced) with random weights (normal, std 0.02) made on the device tensor by
-    tensor, each passed through `place(module_key, array)` when given (e.g. `quant.model.quantize_on_load`): the
-    device never holds more of the model in bf16 than one tensor beyond what `place` keeps, so a model whose bf16
-    weights exceed the device (or a memory cap) can be built quantized. `limit_gb`: a MemoryError before anything is
-    made if the placed weights alone would take more (an allocator at its cap fails slowly)."""
+    tensor, each passed through every `place(module_key, array)` in turn, as `loading.place_parameters` passes what
+    it reads (e.g. `quant.model.quantize_on_load`, then `model.offload.streamed_block_placement`): the device never
+    holds more of the model in bf16 than one tensor beyond what the places keep, so a model whose bf16 weights exceed
+    the device (or a memory cap) can be built quantized. `limit_gb`: a MemoryError before anything is made if the
+    placed weights alone would take more (an allocator at its cap fails slowly)."""
     import jax
     import jax.numpy as jnp
     from flax import nnx
 
-    from mxdit.model.loading import module_key
+    from mxdit.model.loading import chained_places, module_key
 
+    place = chained_places(*places)
     graphdef, state = nnx.split(nnx.eval_shape(build))
     flat = nnx.to_flat_state(state)
     if limit_gb is not None:
-        placed = [jax.eval_shape(lambda a, key=module_key(path): a if place is None else place(key, a),
-                                 variable.get_value()) for path, variable in flat]
+        placed = [jax.eval_shape(lambda a, key=module_key(path): place(key, a), variable.get_value())
+                  for path, variable in flat]
         gb = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(placed)) / 1e9
         if gb > limit_gb:
             raise MemoryError(f"the weights alone take {gb:.3g} GB, over the {limit_gb:g} GB cap")
     for i, (path, variable) in enumerate(flat):
         value = variable.get_value()
         array = (jax.random.normal(jax.random.key(i), value.shape, jnp.float32) * 0.02).astype(value.dtype)
-        variable.set_value(array if place is None else place(module_key(path), array))
+        variable.set_value(place(module_key(path), array))
     return nnx.merge(graphdef, nnx.from_flat_state(flat))

@@ -77,8 +77,8 @@ def _model_and_batch(args):
                                                            args.valid_text)
         batch = {"latents": jnp.asarray(hidden)[None], "embeds": jnp.asarray(text, jnp.bfloat16)[None],
                  "mask": jnp.asarray(mask)[None], "position_ids": jnp.asarray(position_ids)}
-    place = quantize_on_load(rules(args.quantize_base)) if args.quantize_base else None
-    return random_model(lambda: model_cls(cfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(0)), place,
+    places = [quantize_on_load(rules(args.quantize_base))] if args.quantize_base else []
+    return random_model(lambda: model_cls(cfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(0)), *places,
                         limit_gb=args.memory_cap_gb), batch
 
 

@@ -105,13 +105,12 @@ def jax_h3_step(args) -> list[dict]:
     layout, video, audio, text, timestep, _ = h3_inputs(cfg, args)
     (precision,), (attention,) = args.precisions, args.jax_attention
     fmt = PRECISIONS[precision]
-    place = quantize_on_load(minimax_h3_rules(fmt)) if fmt else None
+    places = [quantize_on_load(minimax_h3_rules(fmt))] if fmt else []
     if args.offload is not None:  # the streamed blocks to host memory as they are made (after quantizing)
-        host, quantize = streamed_block_placement(args.offload), place
-        place = host if quantize is None else (lambda key, value: host(key, quantize(key, value)))
+        places.append(streamed_block_placement(args.offload))
     start = time.perf_counter()
     model = random_model(lambda: MiniMaxH3Transformer(cfg, dtype=jnp.bfloat16, attention=attention,
-                                                      rngs=nnx.Rngs(0)), place)
+                                                      rngs=nnx.Rngs(0)), *places)
     on_device = jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind="device")
     for _, module in nnx.iter_graph(model):  # norm gains near 1, as trained ones are, so that every block matters
         if isinstance(module, RMSNorm):  # (added on the device: a streamed block's weights are in host memory)

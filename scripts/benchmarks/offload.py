@@ -52,7 +52,7 @@ def jax_krea2_offload(args) -> list[dict]:
     device = jax.devices()[0]
     resident = cfg.num_layers if args.resident == "all" else int(args.resident)
     t0 = time.perf_counter()
-    streamed = _streamed_model(cfg, args.precision, resident, args.prefetch, device)
+    streamed = _streamed_model(cfg, args.precision, resident, args.prefetch)
     init_s = time.perf_counter() - t0
     hidden, text, timestep, position_ids, mask = (jnp.asarray(a) for a in krea2_inputs(
         cfg, args.height, args.width, args.text_len, args.valid_text))
@@ -78,30 +78,21 @@ def jax_krea2_offload(args) -> list[dict]:
     return [emit(row)]
 
 
-def _streamed_model(cfg, precision: str, resident: int, prefetch: int, device):
+def _streamed_model(cfg, precision: str, resident: int, prefetch: int):
     """A `StreamedKrea2` of random weights, made tensor by tensor (`random_model`): blocks from `resident` on go
     straight to pinned host memory."""
-    import jax
     import jax.numpy as jnp
     from flax import nnx
 
     from mxdit.model.krea2 import Krea2Transformer, stack_projections
-    from mxdit.model.offload import StreamedKrea2
+    from mxdit.model.offload import StreamedKrea2, streamed_block_placement
     from mxdit.ops.names import Precision
     from mxdit.quant.model import krea2_rules, quantize_on_load
 
-    host = jax.sharding.SingleDeviceSharding(device, memory_kind="pinned_host")
     weight_format = Precision(precision).weight_format
-    quantize = quantize_on_load(krea2_rules(weight_format)) if weight_format else None
-
-    def place(key: str, array):
-        if quantize is not None:
-            array = quantize(key, array)
-        if key.startswith("transformer_blocks.") and int(key.split(".")[1]) >= resident:
-            array = jax.device_put(array, host)
-        return array
-
-    model = random_model(lambda: Krea2Transformer(cfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(0)), place)
+    places = ([quantize_on_load(krea2_rules(weight_format))] if weight_format else []) + [
+        streamed_block_placement(resident)]
+    model = random_model(lambda: Krea2Transformer(cfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(0)), *places)
     if precision != "bf16":
         stack_projections(model)  # as generate.py runs a quantized model (host-memory blocks stay in host memory)
     return StreamedKrea2(model, resident=resident, prefetch=prefetch)
