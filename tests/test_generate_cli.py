@@ -213,18 +213,15 @@ def test_bad_lora_exits_with_one_line_naming_the_file(tmp_path, capsys, spec, me
 
 
 def test_precision_runs_the_gemm_path_and_the_compile_cache_fills(tmp_path, capsys):
-    """--precision fp8 quantizes the blocks' matrices for the GEMM kernels (their jnp reference on the CPU) and still
-    writes the image; --compile-cache leaves compiled programs for the next run; --mesh refuses a quantized run."""
+    """--precision int8 quantizes the blocks' matrices for the GEMM kernels (their jnp reference on the CPU) and still
+    writes the image (fp8 on the demo: test_inference.py's run of generate.py); --compile-cache leaves compiled
+    programs for the next run; --mesh refuses a quantized run."""
     cache, out = tmp_path / "cache", tmp_path / "q.png"
-    code, captured = run(["--demo", "--prompt", "a red fox", "--height", "64", "--width", "64", "--steps", "2",
-                          "--precision", "fp8", "--attention", "xla", "--compile-cache", str(cache),
-                          "--output", str(out)], capsys)
-    assert code == 0, captured.err
-    assert out.is_file() and any(cache.iterdir())
     code, captured = run(["--model", str(FIXTURES / "krea2" / "tiny_pipeline"), "--prompt", "a cat", "--height", "64",
                           "--width", "64", "--steps", "1", "--dtype", "fp32", "--max-sequence-length", "16",
-                          "--precision", "int8", "--output", str(tmp_path / "f.png")], capsys)
+                          "--precision", "int8", "--compile-cache", str(cache), "--output", str(out)], capsys)
     assert code == 0, captured.err  # a model folder: quantized as the checkpoint is read
+    assert out.is_file() and any(cache.iterdir())
     code, captured = run(["--demo", "--prompt", "a red fox", "--precision", "mxfp4", "--mesh", "data=1",
                           "--output", str(tmp_path / "m.png")], capsys)
     assert code == 2 and "--precision mxfp4 with --mesh" in captured.err

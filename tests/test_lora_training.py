@@ -1,6 +1,7 @@
-"""training/train.py on the demo Krea 2 pipeline (random weights, float32, CPU) with real photographs: patches of
-scikit-image's sample images at 32x32. The loss falls; resuming is exact; gradient accumulation equals one big batch;
-bad input gets a one-line error and leaves the run folder as it was; the CLI."""
+"""training/train.py on the demo Krea 2 pipeline (random weights, float32, CPU; its transformer one block of each
+kind) with real photographs: patches of scikit-image's sample images at 32x32. The loss falls; resuming is exact;
+gradient accumulation equals one big batch; bad input gets a one-line error and leaves the run folder as it was; the
+CLI."""
 
 import dataclasses
 import importlib.util
@@ -53,7 +54,16 @@ def photos(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def pipe(tmp_path_factory):
-    return demo_pipeline(tmp_path_factory.mktemp("tokenizer"), seed=0, dtype=jnp.float32, distilled=False)
+    """The demo pipeline with a transformer of one joint, one layerwise and one refiner block (the training treats
+    every block alike, and compiles and steps the smaller one faster)."""
+    from mxdit.model.krea2 import Krea2Transformer
+    from mxdit.model.pipeline_krea2 import Krea2Pipeline
+
+    demo = demo_pipeline(tmp_path_factory.mktemp("tokenizer"), seed=0, dtype=jnp.float32, distilled=False)
+    one_block = dataclasses.replace(demo.transformer.config, num_layers=1, num_layerwise_text_blocks=1,
+                                    num_refiner_text_blocks=1)
+    transformer = Krea2Transformer(one_block, dtype=jnp.float32, rngs=nnx.Rngs(jax.random.key(0, impl="rbg")))
+    return Krea2Pipeline(transformer, demo.vae, demo.text_encoder, demo.tokenizer, demo.config)
 
 
 @pytest.fixture(scope="module")
@@ -111,10 +121,14 @@ def test_resume_is_exact(trained, pipe, photos, cache, tmp_path):
     half = train(fresh(pipe), photos, tmp_path / "halves", CONFIG, LORA, model_tag="demo", cache_dir=cache,
                  stop_at=16, progress=False)
     assert half.step == 16 and not (tmp_path / "halves" / "lora.safetensors").exists()
-    # how often to save may change on resume (it does not enter the weights)
-    resumed = train(fresh(pipe), photos, tmp_path / "halves", dataclasses.replace(CONFIG, save_every=7), LORA,
-                    model_tag="demo", cache_dir=cache, resume=True, progress=False)
+    # how often to save and to validate may change on resume (they do not enter the weights)
+    validated = dataclasses.replace(CONFIG, save_every=7, validate_every=8, validation_prompts=("a cat",),
+                                    validation_steps=1)
+    resumed = train(fresh(pipe), photos, tmp_path / "halves", validated, LORA, model_tag="demo", cache_dir=cache,
+                    resume=True, progress=False)
     assert sorted(int(p.name) for p in (tmp_path / "halves" / "checkpoints").iterdir()) == [28, 32]
+    assert sorted(p.name for p in (tmp_path / "halves" / "validation").iterdir()) == ["step_000024_0.png",
+                                                                                        "step_000032_0.png"]
     assert resumed.step == 32 and [s for s, _ in resumed.losses] == list(range(17, 33))
     assert [loss for _, loss in half.losses + resumed.losses] == [loss for _, loss in trained.losses]
     for a, b in zip(jax.tree.leaves(trained.lora), jax.tree.leaves(resumed.lora), strict=True):
@@ -131,9 +145,9 @@ def test_resume_is_exact(trained, pipe, photos, cache, tmp_path):
 def test_gradient_accumulation_equals_one_big_batch(trained, pipe, photos, cache):
     """At the LoRA weights `trained` ended with: 4 micro-batches of 1 against one batch of 4, same examples, same
     noise and timesteps. Equal up to float32 rounding: the batch's LoRA weight gradients are reductions over
-    batch x tokens, summed in another order than the micro-batches' (measured: loss 8e-8, gradients 0.8e-6 here and
-    1.2-1.3e-6 at other weights and keys, the weights after one AdamW step 1.3e-6 -- Adam's first step divides each gradient by its own
-    magnitude, which amplifies the rounding of the smallest ones)."""
+    batch x tokens, summed in another order than the micro-batches' (measured: loss 1.4e-7, gradients 0.8e-6, the
+    weights after one AdamW step 2.3e-6 -- Adam's first step divides each gradient by its own magnitude, which
+    amplifies the rounding of the smallest ones)."""
     examples = data_lib.read_folder(photos)
     buckets = data_lib.make_buckets(32, (1.0,), 16)
     cached = data_lib.build_cache(pipe, examples[:4], buckets, cache, max_sequence_length=16, tag="accumulation")
@@ -248,11 +262,19 @@ def run_cli(argv, capsys):
     return code, capsys.readouterr()
 
 
-def test_cli_demo_trains_and_bad_arguments_exit_with_one_line(photos, tmp_path, capsys):
-    out = tmp_path / "cli"
-    argv = ["--demo", "--data", str(photos), "--output", str(out), "--steps", "3", "--resolution", "32", "--rank", "2",
+def demo_argv(photos: Path, out: Path) -> list[str]:
+    return ["--demo", "--data", str(photos), "--output", str(out), "--steps", "3", "--resolution", "32", "--rank", "2",
             "--max-sequence-length", "16", "--aspects", "1", "--validate-every", "3", "--validation-prompt", "a cat",
             "--validation-steps", "1", "--no-progress"]
+
+
+# ~50 s on 2 cores: a training of its own. By default test_loss_falls_on_real_photographs and test_resume_is_exact
+# check what a training writes (the LoRA file, validation images), and
+# test_cli_checks_data_and_output_folders_before_building_a_model the CLI's refusal of a folder that holds a run.
+@pytest.mark.slow
+def test_cli_demo_trains_and_a_second_run_in_its_folder_exits_with_one_line(photos, tmp_path, capsys):
+    out = tmp_path / "cli"
+    argv = demo_argv(photos, out)
     code, captured = run_cli(argv, capsys)
     assert code == 0, captured.err
     assert (out / "lora.safetensors").is_file() and (out / "validation" / "step_000003_0.png").is_file()
@@ -260,9 +282,13 @@ def test_cli_demo_trains_and_bad_arguments_exit_with_one_line(photos, tmp_path, 
 
     code, captured = run_cli(argv, capsys)  # the same folder again, without --resume
     assert code == 2 and "already holds a training run" in captured.err and len(captured.err.splitlines()) == 1
+
+
+def test_cli_bad_arguments_exit_with_one_line(photos, tmp_path, capsys):
+    out = tmp_path / "cli"
     code, captured = run_cli(["--demo", "--data", str(tmp_path / "nope"), "--output", str(out)], capsys)
     assert code == 2 and captured.err.strip() == f"train_lora.py: error: --data {tmp_path / 'nope'}: no such folder"
-    code, captured = run_cli(argv[:-1] + ["--remat", "everything"], capsys)
+    code, captured = run_cli(demo_argv(photos, out)[:-1] + ["--remat", "everything"], capsys)
     assert code == 2 and "--remat" in captured.err and len(captured.err.splitlines()) == 1
 
 

@@ -79,12 +79,13 @@ def test_a_damaged_file_is_compiled_again_and_replaced(tmp_path):
 
 def test_generate_second_start_loads_every_program_and_writes_the_same_image(tmp_path):
     """Two processes, as a user runs generate.py twice: the second loads the four programs the first stored. The first
-    compiles them ahead on the weights' shapes while the weights are read (a dry run's zeros would show in its
-    image); the second, whose run the first recorded, only loads them, without a dry run."""
+    compiles them ahead on the weights' shapes (FP8 blocks, quantized as they are read) while the weights are read (a
+    dry run's zeros would show in its image); the second, whose run the first recorded, only loads them, without a
+    dry run (a key holding an object's address would not be met again)."""
     common = [sys.executable, str(Path(__file__).parent.parent / "scripts" / "generate.py"), "--model",
               str(FIXTURES / "krea2" / "tiny_pipeline"), "--prompt", "a cat", "--height", "64", "--width", "64",
-              "--steps", "2", "--dtype", "fp32", "--max-sequence-length", "16", "--compile-cache",
-              str(tmp_path / "cache")]
+              "--steps", "2", "--dtype", "fp32", "--max-sequence-length", "16", "--precision", "fp8",
+              "--compile-cache", str(tmp_path / "cache")]
     outputs = []
     for start in ("first", "second"):
         outputs.append(tmp_path / f"{start}.png")
@@ -247,7 +248,10 @@ def test_a_pipeline_compiled_ahead_gives_the_same_images_and_compiles_nothing_mo
     assert compile_ahead(call) == 0.0  # no store: nothing is called
 
 
-@pytest.mark.parametrize("model", ["krea2", pytest.param("flux", marks=pytest.mark.slow)])
+# ~40 s on 2 cores; by default test_generate_second_start_loads_every_program_and_writes_the_same_image compiles an
+# FP8 folder's programs ahead on its shapes and loads them in a new process
+@pytest.mark.slow
+@pytest.mark.parametrize("model", ["krea2", "flux"])
 def test_programs_compiled_ahead_on_the_shapes_are_those_the_loaded_pipeline_runs(tmp_path, model):
     """`build_pipeline_ahead`: the dry run on `pipeline_shapes` (weights quantized to fp8 as they load) while the
     weights are read reaches the four programs; the loaded pipeline then compiles none, and its images equal those

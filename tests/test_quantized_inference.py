@@ -33,8 +33,10 @@ def tiny():
     return model, inputs
 
 
-# mxfp6 shares mxfp4's code path but for the element format (tested in test_quant_formats); ~20 s on 2 cores
-@pytest.mark.parametrize("precision", ["fp8", pytest.param("mxfp6", marks=pytest.mark.slow), "mxfp4", "int8"])
+# MX weights take fp8's path (FP8 activations) but for the weights' format, whose kernel form holds the format's values
+# (test_gemm.py's test_kernel_packing_of_mx_codes_keeps_every_value); ~20 s on 2 cores each
+@pytest.mark.parametrize("precision", ["fp8", pytest.param("mxfp6", marks=pytest.mark.slow),
+                                       pytest.param("mxfp4", marks=pytest.mark.slow), "int8"])
 def test_kernel_weights_compute_the_simulated_quantization(tiny, precision):
     """W8A8 (or MX weights with FP8 activations) through the GEMM path equals the simulation of the same
     quantization in float32 (weights quantized and dequantized, inputs quantized per token): only the summation
@@ -186,7 +188,9 @@ def test_gated_residual_in_the_gemm_epilogue(batch, monkeypatch):
     np.testing.assert_allclose(np.asarray(out), np.asarray(residual + gate * linear(x)), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("precision", ["fp8", "mxfp6"])
+# mxfp6: fp8's path for a format that test_quant_model.py's test_quantized_checkpoint_reloads_bit_for_bit saves and
+# reloads bit for bit; ~12 s on 2 cores
+@pytest.mark.parametrize("precision", ["fp8", pytest.param("mxfp6", marks=pytest.mark.slow)])
 def test_quantized_checkpoint_loads_straight_into_kernel_weights(tiny, tmp_path, precision):
     """A checkpoint written by `quant.model.save_quantized` (scripts/quantize.py) loads with its matrices as the
     GEMM kernels' weights (`load_quantized_model`): the model quantizing the bf16 checkpoint as it loads makes."""
