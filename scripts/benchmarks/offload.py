@@ -90,8 +90,8 @@ def _streamed_model(cfg, precision: str, resident: int, prefetch: int):
     from mxdit.quant.model import krea2_rules, quantize_on_load
 
     weight_format = Precision(precision).weight_format
-    places = ([quantize_on_load(krea2_rules(weight_format))] if weight_format else []) + [
-        streamed_block_placement(resident)]
+    places = [quantize_on_load(krea2_rules(weight_format))] if weight_format else []
+    places.append(streamed_block_placement(resident))  # after quantizing: the host holds what the device will run
     model = random_model(lambda: Krea2Transformer(cfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(0)), *places)
     if precision != "bf16":
         stack_projections(model)  # as generate.py runs a quantized model (host-memory blocks stay in host memory)
