@@ -617,21 +617,26 @@ def plan_load(abstract: nnx.Module, keys: KeyMap) -> LoadPlan:
                     unexpected=sorted(unexpected), duplicates=duplicates, mismatched=mismatched)
 
 
+@contextlib.contextmanager
+def _while_set(variable: contextvars.ContextVar, value):
+    """`variable` holds `value` inside the `with` block and what it held before after it."""
+    token = variable.set(value)
+    try:
+        yield
+    finally:
+        variable.reset(token)
+
+
 # Where loaded parameters live: fn(module key, device array) -> the array to keep (another memory, another device).
 _PLACEMENT: contextvars.ContextVar[Callable[[str, jax.Array], jax.Array] | None] = contextvars.ContextVar(
     "parameter_placement", default=None)
 
 
-@contextlib.contextmanager
 def place_parameters(*places: Callable[[str, jax.Array], jax.Array]):
     """While active, every parameter `load_state` reads goes through `place(module_key, array)` as it arrives, one
     tensor at a time (through each of `places` in turn): model/offload.py sends the streamed blocks straight to host
     memory, so a model larger than the device loads at all; `quant.model.quantize_on_load` quantizes block matrices."""
-    token = _PLACEMENT.set(chained_places(*places))
-    try:
-        yield
-    finally:
-        _PLACEMENT.reset(token)
+    return _while_set(_PLACEMENT, chained_places(*places))
 
 
 def chained_places(*places: Callable[[str, jax.Array], jax.Array]) -> Callable[[str, jax.Array], jax.Array]:
@@ -655,7 +660,6 @@ _KEEP_BLOCKS: contextvars.ContextVar[Callable[[str], Sequence[str]] | None] = co
                                                                                               default=None)
 
 
-@contextlib.contextmanager
 def keep_file_blocks(select: Callable[[str], Sequence[str]]):
     """While active, a parameter whose checkpoint tensor is stored, exactly, in one of the formats `select(module
     key)` names (of `quant.formats`) is read as it is stored, not dequantized: a GGUF Q8_0 matrix as int8_b32, a
@@ -663,27 +667,18 @@ def keep_file_blocks(select: Callable[[str], Sequence[str]]):
     `quantized`). It reaches the placement (`place_parameters`; `quant.model.quantize_on_load` makes a kernel weight
     of it without quantizing again) or the module as a `QuantizedArray`, which `ops.linear` dequantizes for each
     product. The others load as always."""
-    token = _KEEP_BLOCKS.set(select)
-    try:
-        yield
-    finally:
-        _KEEP_BLOCKS.reset(token)
+    return _while_set(_KEEP_BLOCKS, select)
 
 
 _SHAPES_ONLY: contextvars.ContextVar[bool] = contextvars.ContextVar("shapes_only", default=False)
 
 
-@contextlib.contextmanager
 def shapes_only():
     """While active, in this thread, `load_state` reads no tensor: it checks the checkpoint as a load does and returns
     the module holding `jax.ShapeDtypeStruct`s, each as the load would leave that parameter (cast, then through the
     active `place_parameters`, e.g. quantized), on the default device. Programs can be lowered for such a module
     (`model.programs.compile_ahead`) while the weights are still being read."""
-    token = _SHAPES_ONLY.set(True)
-    try:
-        yield
-    finally:
-        _SHAPES_ONLY.reset(token)
+    return _while_set(_SHAPES_ONLY, True)
 
 
 def on_default_device(module: nnx.Module) -> nnx.Module:
