@@ -15,9 +15,10 @@ FIXTURES = Path(__file__).parent / "fixtures"
 
 # generate.py keeps compiled programs in $XDG_CACHE_HOME/mxdit/jax: the tests' go to a folder of their own run, never
 # to the user's cache, and every run starts as a fresh machine would. The tests share that cache (what XLA compiles
-# on the CPU is most of the suite's time, and many tests run the same tiny models' programs), with generate.py's
-# threshold, so its runs inside the tests keep the same folder. pytest-xdist's workers inherit the folder that the
-# controlling process made (one cache for the run, not one a worker), and that process removes it.
+# on the CPU is most of the suite's time, and many tests run the same tiny models' programs): programs that compile in
+# over 0.5 s are kept, and generate.py's runs inside the tests keep every program, in the same folder. pytest-xdist's
+# workers inherit the folder that the controlling process made (one cache for the run, not one a worker), and that
+# process removes it.
 if "PYTEST_XDIST_WORKER" not in os.environ:
     os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="mxdit-test-cache-")
     atexit.register(shutil.rmtree, os.environ["XDG_CACHE_HOME"], ignore_errors=True)
