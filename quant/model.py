@@ -22,7 +22,7 @@ from __future__ import annotations
 import functools
 import json
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 
 import jax
@@ -81,15 +81,24 @@ def format_for(key: str, shape: tuple[int, ...], rules: Rules) -> str | None:
 
 def quantize_model(params: Mapping[str, jax.Array], rules: Rules) -> dict[str, jax.Array | QuantizedArray]:
     """Quantize the parameters the rules select (along the reduction axis, the last); others are returned as given."""
+    return dict(_quantized(params, rules))
+
+
+def fake_quantize_model(params: Mapping[str, jax.Array], rules: Rules, dtype=jnp.bfloat16) -> dict[str, jax.Array]:
+    """`dequantize_model(quantize_model(params, rules), dtype)` a tensor at a time: the weights in a format, back in
+    `dtype`, with the codes of one tensor alive at once, not the whole model's beside its two copies."""
+    return {key: _dequantize(value, dtype) if isinstance(value, QuantizedArray) else value
+            for key, value in _quantized(params, rules)}
+
+
+def _quantized(params: Mapping[str, jax.Array], rules: Rules) -> Iterator[tuple[str, jax.Array | QuantizedArray]]:
     unknown = {fmt for _, fmt in rules if fmt is not None and fmt not in FORMATS}
     if unknown:
         raise ValueError(f"unknown format(s) in rules: {sorted(unknown)}; known: {', '.join(FORMATS)}")
     quantize_jit = jax.jit(quantize, static_argnames=("fmt", "axis", "per_tensor"))
-    out = {}
     for key, value in params.items():
         fmt = format_for(key, tuple(value.shape), rules)
-        out[key] = quantize_jit(value, fmt=fmt) if fmt else value
-    return out
+        yield key, (quantize_jit(value, fmt=fmt) if fmt else value)
 
 
 def dequantize_model(params: Mapping[str, jax.Array | QuantizedArray], dtype=jnp.bfloat16) -> dict[str, jax.Array]:
@@ -318,7 +327,7 @@ def load_quantized_model(build, path) -> nnx.Module:
 
 def with_params(module: nnx.Module, params: Mapping[str, jax.Array]) -> nnx.Module:
     """A copy of `module` whose parameters (by checkpoint key) are replaced by `params`, cast to their dtypes: with
-    `dequantize_model(quantize_model(...))`, the model's weights in a format, computed in its own precision."""
+    `fake_quantize_model`, the model's weights in a format, computed in its own precision."""
     graphdef, state = nnx.split(nnx.clone(module))
     flat = nnx.to_flat_state(state)
     for path, variable in flat:

@@ -261,16 +261,16 @@ def test_fp8_kernel_weights_compute_the_simulated_quantization(tiny, reference, 
     from flax import nnx
 
     from mxdit.model.flux import stack_projections
-    from mxdit.quant.model import (dequantize_model, flux_rules, quantize_activations, quantize_linear_layers,
-                                   quantize_model, with_params)
+    from mxdit.quant.model import (fake_quantize_model, flux_rules, quantize_activations, quantize_linear_layers,
+                                   with_params)
 
     rules = flux_rules("fp8_e4m3")
     kernels = nnx.clone(tiny)
     assert quantize_linear_layers(kernels, rules, kernels=True)
     if stack:
         stack_projections(kernels)
-    simulated = quantize_activations(with_params(tiny, dequantize_model(quantize_model(dict(iter_params(tiny)), rules),
-                                                                        jnp.float32)), rules)
+    weights = fake_quantize_model(dict(iter_params(tiny)), rules, jnp.float32)
+    simulated = quantize_activations(with_params(tiny, weights), rules)
     out, sim = (np.asarray(jax.jit(lambda r, m=m: run(m, r))(reference)) for m in (kernels, simulated))
     assert relative_l2(out, sim) <= 1e-5
     assert relative_l2(out, reference["output"]) <= 0.05

@@ -10,8 +10,8 @@ from mxdit.model.krea2 import Krea2Config, Krea2Transformer
 from mxdit.model.loading import iter_params
 from mxdit.quant.formats import QuantizedArray, formats
 from mxdit.quant.gates import GateFailure, admit, evaluate, psnr, ssim
-from mxdit.quant.model import (dequantize_model, krea2_rules, load_quantized, quantize_model, save_quantized,
-                               weight_bytes)
+from mxdit.quant.model import (dequantize_model, fake_quantize_model, krea2_rules, load_quantized, quantize_model,
+                               save_quantized, weight_bytes)
 
 
 @pytest.fixture(scope="module")
@@ -30,6 +30,19 @@ def test_krea2_rules_quantize_the_block_matrices_and_keep_the_rest(tiny_params):
         assert kept not in quantized, kept
     assert "text_fusion.refiner_blocks.0.attn.to_q.weight" in quantized
     assert len(quantized) == (2 + 2 + 2) * 8  # joint, layerwise and refiner blocks x (q, k, v, gate, out, 3 ff)
+
+
+def test_fake_quantized_weights_are_the_quantized_model_dequantized(tiny_params):
+    """A tensor at a time (what lets a full-size model be compared in a format on one GPU), the same numbers."""
+    rules = krea2_rules("mxfp6_e2m3")
+    whole = dequantize_model(quantize_model(tiny_params, rules), jnp.bfloat16)
+    one_by_one = fake_quantize_model(tiny_params, rules, jnp.bfloat16)
+    assert one_by_one.keys() == whole.keys()
+    for key, value in whole.items():
+        assert one_by_one[key].dtype == value.dtype, key
+        np.testing.assert_array_equal(np.asarray(one_by_one[key], np.float32), np.asarray(value, np.float32))
+    with pytest.raises(ValueError, match="unknown format"):
+        fake_quantize_model(tiny_params, [(r".*", "fp7")])
 
 
 # NVFP4's run takes 3x the others' (~16 s on 2 cores): slow-marked; its save and restore of the arrays themselves

@@ -14,7 +14,7 @@ from mxdit.model.loading import iter_params
 from mxdit.ops.names import Precision
 from mxdit.pallas_kernels.gemm import GemmWeight
 from mxdit.quant.gates import cosine, relative_l2
-from mxdit.quant.model import (dequantize_model, krea2_rules, load_quantized_model, quantize_activations,
+from mxdit.quant.model import (fake_quantize_model, krea2_rules, load_quantized_model, quantize_activations,
                                quantize_linear_layers, quantize_model, quantize_on_load, save_quantized, with_params)
 
 
@@ -49,7 +49,7 @@ def test_kernel_weights_compute_the_simulated_quantization(tiny, precision):
     assert isinstance(kernels.transformer_blocks[0].ff.down.weight.get_value(), GemmWeight)
     params = dict(iter_params(model))
     activations = krea2_rules("int8" if precision == "int8" else "fp8_e4m3")  # what the kernels take for x
-    simulated = quantize_activations(with_params(model, dequantize_model(quantize_model(params, rules), jnp.float32)),
+    simulated = quantize_activations(with_params(model, fake_quantize_model(params, rules, jnp.float32)),
                                      activations)
     out, sim, exact = (np.asarray(jax.jit(lambda *a, m=m: m(*a))(*inputs)) for m in (kernels, simulated, model))
     assert relative_l2(out, sim) <= 1e-5
