@@ -18,13 +18,13 @@ from flax import nnx
 from mxdit.ops.names import AttentionKernel
 from mxdit.pallas_kernels.gemm import WEIGHT_FORMATS
 from mxdit.quant.gates import GateReport, evaluate
-from mxdit.quant.model import (dequantize_model, flux_rules, krea2_rules, quantize_activations, quantize_linear_layers,
-                               quantize_model, weight_bytes, with_params)
+from mxdit.quant.model import (fake_quantize_model, flux_rules, krea2_rules, quantize_activations,
+                               quantize_linear_layers, weight_bytes, with_params)
 
 from .images import unit_range_to_uint8
 from . import flux as flux_model
 from . import krea2 as krea2_model
-from .loading import iter_params
+from .loading import iter_params, module_key
 from .pipeline_common import image_position_ids, initial_noise
 from .pipeline_flux import FluxPipeline
 from .pipeline_krea2 import Krea2Pipeline
@@ -189,13 +189,22 @@ def quality_table(pipe: Krea2Pipeline | FluxPipeline, formats: Sequence[str], pr
     rows = [QualityRow("reference", weight_bytes(shapes, []), None, reference_images, scores(reference_images),
                        seconds=time.perf_counter() - start)]
     report(f"reference: {rows[-1].seconds:.1f} s")
-    for fmt in formats:
-        start = time.perf_counter()
-        rules = family_rules(fmt)
-        transformer = with_params(pipe.transformer, dequantize_model(quantize_model(params, rules), pipe.transformer.dtype))
-        variants = [(fmt, transformer)] + ([(f"{fmt} W+A", quantize_activations(transformer, rules))] if activations else [])
+    # The formats' weights are made from a host copy of the unquantized ones, which leave the device meanwhile: the
+    # device holds a full-size transformer's weights once, as for the reference row (twice, Krea 2's do not fit what
+    # JAX takes of an 80 GB GPU beside its text encoder and VAE). The pipeline has them back on the device at the end.
+    originals = {key: np.array(value) for key, value in params.items()}  # copies: on a CPU np.asarray is a view
+    shardings = {key: value.sharding for key, value in params.items()}
+    del params
+    _set_params(pipe.transformer, originals)
+
+    def variants_of(fmt: str, rules) -> list[tuple[str, nnx.Module]]:
+        """The transformers of a format's rows, by row name, on the device."""
+        transformer = with_params(pipe.transformer, fake_quantize_model(originals, rules, pipe.transformer.dtype))
+        variants = [(fmt, transformer)]
+        if activations:
+            variants.append((f"{fmt} W+A", quantize_activations(transformer, rules)))
         if kernels and fmt in WEIGHT_FORMATS:  # (the formats the GEMM kernels take)
-            gemm = nnx.clone(pipe.transformer)
+            gemm = with_params(pipe.transformer, originals)
             quantize_linear_layers(gemm, rules, kernels=True)
             (flux_model if flux else krea2_model).stack_projections(gemm)  # as generate.py runs it
             variants.append((f"{fmt} GEMM", gemm))
@@ -203,16 +212,36 @@ def quality_table(pipe: Krea2Pipeline | FluxPipeline, formats: Sequence[str], pr
                 with_attention = nnx.clone(gemm)
                 with_attention.attention = AttentionKernel(attention)
                 variants.append((f"{fmt} GEMM+{attention}", with_attention))
-        for name, model in variants:
-            quantized = copy.copy(pipe)  # the same pipeline around the variant's transformer
-            quantized.transformer = model
-            candidate, changes = generate(quantized, name)
-            gate = evaluate(fmt, velocity(model), reference_velocity, candidate, reference_images)
-            rows.append(QualityRow(name, weight_bytes(shapes, rules), gate, candidate, scores(candidate),
-                                   step_cosines(changes, reference_changes), time.perf_counter() - start))
-            report(f"{name}: {rows[-1].seconds:.1f} s")
+        return variants
+
+    try:
+        for fmt in formats:
             start = time.perf_counter()
+            rules = family_rules(fmt)
+            variants = variants_of(fmt, rules)
+            while variants:
+                name, model = variants.pop(0)
+                quantized = copy.copy(pipe)  # the same pipeline around the variant's transformer
+                quantized.transformer = model
+                candidate, changes = generate(quantized, name)
+                gate = evaluate(fmt, velocity(model), reference_velocity, candidate, reference_images)
+                rows.append(QualityRow(name, weight_bytes(shapes, rules), gate, candidate, scores(candidate),
+                                       step_cosines(changes, reference_changes), time.perf_counter() - start))
+                report(f"{name}: {rows[-1].seconds:.1f} s")
+                start = time.perf_counter()
+                del model, quantized  # this variant's weights leave the device before the next one's are made
+    finally:
+        _set_params(pipe.transformer, {key: jax.device_put(value, shardings[key]) for key, value in originals.items()})
     return rows
+
+
+def _set_params(module: nnx.Module, params: dict) -> None:
+    """Replace `module`'s parameters (by checkpoint key) with `params`, in place."""
+    state = nnx.state(module, nnx.Param)
+    flat = nnx.to_flat_state(state)
+    for path, variable in flat:
+        variable.set_value(params[module_key(path)])
+    nnx.update(module, nnx.from_flat_state(flat))
 
 
 def step_cosines(changes: np.ndarray, reference: np.ndarray) -> np.ndarray:

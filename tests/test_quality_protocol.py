@@ -75,6 +75,37 @@ def test_demo_run_writes_the_table_the_json_and_the_sheet(tmp_path, capsys):
     assert f"--lora {tmp_path / 'style.safetensors'}: no such file" in capsys.readouterr().err
 
 
+def test_each_formats_row_finds_the_transformers_weights_on_the_device_once():
+    """While the formats' rows run, the unquantized weights wait on the host (a full-size model's weights fit the
+    device once, not twice), and the pipeline has them back at the end, the same values."""
+    import gc
+
+    import jax
+
+    from mxdit.model.inference import InferenceOptions, build_pipeline
+    from mxdit.model.loading import iter_params
+    from mxdit.model.quality import quality_table
+
+    pipe = build_pipeline(None, InferenceOptions(dtype="float32", stack=False))
+    before = {key: np.array(value) for key, value in iter_params(pipe.transformer)}
+    live = {}  # row name -> the most bytes that jax arrays held at its progress reports
+
+    def measure(line):
+        gc.collect()
+        row = line.split(":")[0]
+        live[row] = max(live.get(row, 0), sum(a.nbytes for a in jax.live_arrays()))
+
+    quality_table(pipe, ["fp8_e4m3"], ["a red fox"], [0], height=32, width=32, steps=1, max_sequence_length=16,
+                  progress=measure)
+    assert live.keys() == {"reference", "fp8_e4m3"}
+    assert live["fp8_e4m3"] - live["reference"] < sum(v.nbytes for v in before.values()) / 2
+    after = dict(iter_params(pipe.transformer))
+    assert after.keys() == before.keys()
+    for key, value in after.items():
+        assert isinstance(value, jax.Array), key
+        np.testing.assert_array_equal(np.asarray(value), before[key])
+
+
 @pytest.mark.slow  # the tiny FLUX.1 pipeline per row
 def test_the_table_takes_flux_pipelines(tmp_path):
     """FLUX.1's table as Krea 2's: its own quantization rules, its transformer's call for the output check, its
@@ -140,8 +171,8 @@ def test_the_table_steps_through_the_denoising_and_takes_fused_loras():
 
 def _quantized_transformer(pipe, fmt):
     from mxdit.model.loading import iter_params
-    from mxdit.quant.model import dequantize_model, krea2_rules, quantize_model, with_params
+    from mxdit.quant.model import fake_quantize_model, krea2_rules, with_params
 
     params = dict(iter_params(pipe.transformer))
-    weights = dequantize_model(quantize_model(params, krea2_rules(fmt)), pipe.transformer.dtype)
+    weights = fake_quantize_model(params, krea2_rules(fmt), pipe.transformer.dtype)
     return with_params(pipe.transformer, weights)
