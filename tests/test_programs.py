@@ -158,9 +158,11 @@ def test_a_store_that_cannot_be_written_still_runs_the_program_once_compiled(tmp
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(programs, "write_atomically", full_disk)
-    x = jnp.arange(4.0)
+    # a program no other test compiles: XLA:CPU would have the program call kernels another test's program compiled
+    # in this process, and the store would not write it for that reason, before trying the disk
+    x = jnp.arange(7.0)
     with use_program_store(tmp_path) as store:
-        a, b = _power_plus(x, 1.0, power=2), _power_plus(x, 2.0, power=2)
+        a, b = _power_plus(x, 1.0, power=4), _power_plus(x, 2.0, power=4)
     np.testing.assert_array_equal(b, a + 1)
     assert store.stats.compiled == 1 and "not stored: [Errno 28]" in store.stats.failed_loads[0]
 
