@@ -5,14 +5,7 @@ import tempfile
 import types
 from pathlib import Path
 
-# Without a GPU, compiling for the CPU is most of the suite's time, and on the tests' tiny arrays LLVM's full
-# optimisation costs more than it saves: the tests check what programs compute, not how fast. Level 1, not 0: at 0
-# the fused and unfused INT8 attention paths no longer round alike. Set before jax reads XLA_FLAGS.
-if "--xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", "") and not any(
-        Path(device).exists() for device in ("/dev/nvidiactl", "/dev/kfd")):
-    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_backend_optimization_level=1".strip()
-
-import jax  # noqa: E402
+import jax
 import numpy as np
 import pytest
 from not_run_summary import pytest_deselected, pytest_sessionfinish, pytest_testnodedown  # noqa: F401 (hooks)
