@@ -19,12 +19,12 @@ from mxdit.ops.names import AttentionKernel
 from mxdit.pallas_kernels.gemm import WEIGHT_FORMATS
 from mxdit.quant.gates import GateReport, evaluate
 from mxdit.quant.model import (fake_quantize_model, flux_rules, krea2_rules, quantize_activations,
-                               quantize_linear_layers, weight_bytes, with_params)
+                               quantize_linear_layers, set_params, weight_bytes, with_params)
 
 from .images import unit_range_to_uint8
 from . import flux as flux_model
 from . import krea2 as krea2_model
-from .loading import iter_params, module_key
+from .loading import iter_params
 from .pipeline_common import image_position_ids, initial_noise
 from .pipeline_flux import FluxPipeline
 from .pipeline_krea2 import Krea2Pipeline
@@ -195,7 +195,7 @@ def quality_table(pipe: Krea2Pipeline | FluxPipeline, formats: Sequence[str], pr
     originals = {key: np.array(value) for key, value in params.items()}  # copies: on a CPU np.asarray is a view
     shardings = {key: value.sharding for key, value in params.items()}
     del params
-    _set_params(pipe.transformer, originals)
+    set_params(pipe.transformer, originals)
 
     def variants_of(fmt: str, rules) -> list[tuple[str, nnx.Module]]:
         """The transformers of a format's rows, by row name, on the device."""
@@ -231,17 +231,8 @@ def quality_table(pipe: Krea2Pipeline | FluxPipeline, formats: Sequence[str], pr
                 start = time.perf_counter()
                 del model, quantized  # this variant's weights leave the device before the next one's are made
     finally:
-        _set_params(pipe.transformer, {key: jax.device_put(value, shardings[key]) for key, value in originals.items()})
+        set_params(pipe.transformer, {key: jax.device_put(value, shardings[key]) for key, value in originals.items()})
     return rows
-
-
-def _set_params(module: nnx.Module, params: dict) -> None:
-    """Replace `module`'s parameters (by checkpoint key) with `params`, in place."""
-    state = nnx.state(module, nnx.Param)
-    flat = nnx.to_flat_state(state)
-    for path, variable in flat:
-        variable.set_value(params[module_key(path)])
-    nnx.update(module, nnx.from_flat_state(flat))
 
 
 def step_cosines(changes: np.ndarray, reference: np.ndarray) -> np.ndarray:

@@ -84,14 +84,16 @@ def quantize_model(params: Mapping[str, jax.Array], rules: Rules) -> dict[str, j
     return dict(_quantized(params, rules))
 
 
-def fake_quantize_model(params: Mapping[str, jax.Array], rules: Rules, dtype=jnp.bfloat16) -> dict[str, jax.Array]:
+def fake_quantize_model(params: Mapping[str, jax.Array | np.ndarray], rules: Rules,
+                        dtype=jnp.bfloat16) -> dict[str, jax.Array | np.ndarray]:
     """`dequantize_model(quantize_model(params, rules), dtype)` a tensor at a time: the weights in a format, back in
     `dtype`, with the codes of one tensor alive at once, not the whole model's beside its two copies."""
     return {key: _dequantize(value, dtype) if isinstance(value, QuantizedArray) else value
             for key, value in _quantized(params, rules)}
 
 
-def _quantized(params: Mapping[str, jax.Array], rules: Rules) -> Iterator[tuple[str, jax.Array | QuantizedArray]]:
+def _quantized(params: Mapping[str, jax.Array | np.ndarray],
+               rules: Rules) -> Iterator[tuple[str, jax.Array | np.ndarray | QuantizedArray]]:
     unknown = {fmt for _, fmt in rules if fmt is not None and fmt not in FORMATS}
     if unknown:
         raise ValueError(f"unknown format(s) in rules: {sorted(unknown)}; known: {', '.join(FORMATS)}")
@@ -325,16 +327,24 @@ def load_quantized_model(build, path) -> nnx.Module:
     return nnx.merge(graphdef, nnx.from_flat_state(flat))
 
 
-def with_params(module: nnx.Module, params: Mapping[str, jax.Array]) -> nnx.Module:
-    """A copy of `module` whose parameters (by checkpoint key) are replaced by `params`, cast to their dtypes: with
-    `fake_quantize_model`, the model's weights in a format, computed in its own precision."""
-    graphdef, state = nnx.split(nnx.clone(module))
-    flat = nnx.to_flat_state(state)
+def with_params(module: nnx.Module, params: Mapping[str, jax.Array | np.ndarray]) -> nnx.Module:
+    """A copy of `module` whose parameters (by checkpoint key) are replaced by `params`, cast to their dtypes, on the
+    device: with `fake_quantize_model`, the model's weights in a format, computed in its own precision."""
+    module = nnx.clone(module)
+    set_params(module, params, cast=True)
+    return module
+
+
+def set_params(module: nnx.Module, params: Mapping[str, jax.Array | np.ndarray], *, cast: bool = False) -> None:
+    """Replace `module`'s variables named in `params` (by checkpoint key), in place: as given (host arrays stay on
+    the host), or with `cast` as device arrays of the variables' dtypes."""
+    flat = nnx.to_flat_state(nnx.state(module))
     for path, variable in flat:
         key = module_key(path)
         if key in params:
-            variable.set_value(jnp.asarray(params[key], variable.get_value().dtype))
-    return nnx.merge(graphdef, nnx.from_flat_state(flat))
+            value = params[key]
+            variable.set_value(jnp.asarray(value, variable.get_value().dtype) if cast else value)
+    nnx.update(module, nnx.from_flat_state(flat))
 
 
 def quantize_activations(module: nnx.Module, rules: Rules) -> nnx.Module:
