@@ -120,6 +120,7 @@ def quality_table(pipe: Krea2Pipeline | FluxPipeline, formats: Sequence[str], pr
                   seeds: Sequence[int], *, height: int, width: int, steps: int | None = None,
                   max_sequence_length: int = 512, guidance: float | None = None, activations: bool = False,
                   kernels: bool = False, attention: str | None = None, clip=None, batch_size: int = 4,
+                  reference_file: Path | None = None,
                   progress: Callable[[str], None] | None = None) -> list[QualityRow]:
     """The quality table of a Krea 2 or FLUX.1 pipeline: per format, SSIM and PSNR of the decoded images against
     the unquantized ones (all prompts x seeds side by side), the cosine of the transformer's output with the
@@ -133,6 +134,10 @@ def quality_table(pipe: Krea2Pipeline | FluxPipeline, formats: Sequence[str], pr
     the GEMM kernels' numerics with activations per token in FP8, or INT8 for INT8 weights, the projections stacked
     as generate.py stacks them), and with `attention` (a kernel name, e.g. "int8_mosaic_fp8") also that path with
     the attention kernel (rows `fmt GEMM+attention`; the reference keeps the pipeline's own attention).
+    `reference_file`: the reference row's images, denoising changes and output on the fixed inputs are read from
+    this file where it exists (`ReferenceRun`; `ReferenceFileError` where other settings or weights made it), else
+    made and written there before the formats' rows: a later table of other formats, or one after a crash, reuses
+    them.
     `progress(line)`: told of each batch of images made and each row finished."""
     report = progress or (lambda line: None)
     flux = isinstance(pipe, FluxPipeline)
@@ -184,10 +189,24 @@ def quality_table(pipe: Krea2Pipeline | FluxPipeline, formats: Sequence[str], pr
 
     params = dict(iter_params(pipe.transformer))
     shapes = {k: (tuple(v.shape), v.dtype) for k, v in params.items()}
+    settings = {"pipeline": type(pipe).__name__, "weights": weights_fingerprint(params), "prompts": list(prompts),
+                "seeds": list(seeds), "height": height, "width": width, "steps": steps,
+                "max_sequence_length": max_sequence_length, "guidance": guidance, "batch_size": batch_size,
+                "attention": AttentionKernel(pipe.transformer.attention).value, "device": jax.devices()[0].device_kind}
     start = time.perf_counter()
-    (reference_images, reference_changes), reference_velocity = generate(pipe, "reference"), velocity(pipe.transformer)
+    if reference_file is not None and Path(reference_file).exists():
+        reference = read_reference(reference_file, settings)
+        report(f"reference: read from {reference_file} (made in {reference.seconds:.1f} s)")
+    else:
+        (images, changes), output = generate(pipe, "reference"), velocity(pipe.transformer)
+        reference = ReferenceRun(settings, images, changes, output, time.perf_counter() - start)
+        if reference_file is not None:
+            write_reference(reference_file, reference)
+            report(f"reference: written to {reference_file}")
+        start = time.perf_counter()
+    reference_images, reference_changes, reference_velocity = reference.images, reference.changes, reference.velocity
     rows = [QualityRow("reference", weight_bytes(shapes, []), None, reference_images, scores(reference_images),
-                       seconds=time.perf_counter() - start)]
+                       seconds=reference.seconds + time.perf_counter() - start)]
     report(f"reference: {rows[-1].seconds:.1f} s")
     # The formats' weights are made from a host copy of the unquantized ones, which leave the device meanwhile: the
     # device holds a full-size transformer's weights once, as for the reference row (twice, Krea 2's do not fit what
@@ -233,6 +252,81 @@ def quality_table(pipe: Krea2Pipeline | FluxPipeline, formats: Sequence[str], pr
     finally:
         set_params(pipe.transformer, {key: jax.device_put(value, shardings[key]) for key, value in originals.items()})
     return rows
+
+
+class ReferenceFileError(ValueError):
+    """A quality table's reference file that cannot be read, or that other settings or weights made."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ReferenceRun:
+    """The unquantized model's share of a quality table, which every format's row is measured against: its images
+    (as `QualityRow.images`), each denoising step's change of the latents, its transformer's output on the fixed
+    inputs, the seconds they took, and the settings that made them (a table reuses them only for the same)."""
+    settings: dict
+    images: np.ndarray
+    changes: np.ndarray
+    velocity: np.ndarray
+    seconds: float
+
+
+def weights_fingerprint(params: dict) -> str:
+    """A digest of a model's weights: every parameter's name, shape and dtype, and a position-weighted sum of all its
+    bits (`_bits_digest`, on the device where the weights are: no copy leaves it)."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    for key in sorted(params):
+        value = params[key]
+        digest.update(f"{key} {tuple(value.shape)} {value.dtype} {int(_bits_digest(value))}\n".encode())
+    return digest.hexdigest()
+
+
+@jax.jit
+def _bits_digest(x: jax.Array) -> jax.Array:
+    """The sum of each value's bits times an odd multiplier of its position, modulo 2**32: integer arithmetic, so the
+    same on every device whatever order the sum takes, and changed by any one value changing (or two moving)."""
+    unsigned = {1: jnp.uint8, 2: jnp.uint16}.get(x.dtype.itemsize, jnp.uint32)
+    bits = jax.lax.bitcast_convert_type(x, unsigned).reshape(-1).astype(jnp.uint32)
+    position = jnp.arange(bits.size, dtype=jnp.uint32)
+    odd = position * jnp.uint32(2654435761) * jnp.uint32(2) + jnp.uint32(1)  # invertible modulo 2**32
+    return jnp.sum(bits * odd, dtype=jnp.uint32)
+
+
+def write_reference(path: Path, run: ReferenceRun) -> None:
+    """`run` to the .npz file `path`, atomically (`write_atomically`)."""
+    import json
+
+    from .loading import write_atomically
+
+    def write(tmp: Path) -> None:
+        with open(tmp, "wb") as f:  # (np.savez would add .npz to a name)
+            np.savez(f, settings=np.array(json.dumps(run.settings)), images=run.images, changes=run.changes,
+                     velocity=run.velocity, seconds=np.array(run.seconds))
+
+    write_atomically(path, write)
+
+
+def read_reference(path: Path, settings: dict) -> ReferenceRun:
+    """The `ReferenceRun` in `path` (`write_reference`'s), checked against this table's `settings`:
+    `ReferenceFileError` naming the file and what differs where they are not the same."""
+    import json
+    import zipfile
+
+    try:
+        with np.load(path, allow_pickle=False) as data:
+            run = ReferenceRun(json.loads(str(data["settings"])), data["images"], data["changes"], data["velocity"],
+                               float(data["seconds"]))
+    except (OSError, KeyError, ValueError, zipfile.BadZipFile) as e:
+        raise ReferenceFileError(f"--reference {path}: not one that eval_quality.py wrote ({e})") from None
+    differ = [key for key in sorted(settings.keys() | run.settings.keys())
+              if run.settings.get(key) != settings.get(key)]
+    if differ:
+        what = ", ".join(f"other {k}" if k in ("prompts", "weights") else
+                         f"{k} {run.settings.get(k)!r} (this run: {settings.get(k)!r})" for k in differ)
+        raise ReferenceFileError(f"--reference {path}: made with {what}; give another file, or remove this one to "
+                                 "make it anew")
+    return run
 
 
 def step_cosines(changes: np.ndarray, reference: np.ndarray) -> np.ndarray:

@@ -5,6 +5,8 @@
     python scripts/eval_quality.py --model /models/FLUX.1-dev --formats mxfp4_e2m1 --kernels --prompts coco100 \
         --height 768 --width 1024 --steps 20 --guidance 3.5 --clip /models/clip-vit-base-patch16   # AMD Quark's
     python scripts/eval_quality.py --model /models/Krea-2-Turbo --lora style.safetensors:0.8 --prompts coco100
+    python scripts/eval_quality.py --model /models/Krea-2-Turbo --prompts coco100 --formats mxfp4_e2m1 \
+        --reference krea2-coco100.npz     # the reference images once: later runs of other formats read them
     python scripts/eval_quality.py --demo        # the built-in random-weight model: exercises the path, no quality claim
 
 Prints, per format: SSIM and PSNR of the decoded images against the unquantized ones, the transformer output's
@@ -13,7 +15,8 @@ bytes, and whether the format passes its gate (quant/gates.py). With `--lora`, t
 unquantized weights first, so that every format quantizes the fused weights (generate.py --fuse-lora). `--prompts`
 takes a text file (a prompt a line) or `coco100`, 100 everyday scenes written for this table; `--sheet` writes a
 contact sheet (a row a prompt, a column a format, each image captioned with its SSIM, PSNR and, with `--clip DIR`,
-its CLIP score), `--json` the table.
+its CLIP score), `--json` the table. `--reference FILE.npz` keeps the unquantized model's images: a later run of
+other formats with the same model and settings reads them instead of making them again.
 """
 
 from __future__ import annotations
@@ -43,6 +46,10 @@ def main(argv=None) -> int:
                              "image's CLIP score with its prompt, gated at a drop of 0.5 from the reference")
     parser.add_argument("--sheet", type=Path, default=None, metavar="PNG", help="write the contact sheet here")
     parser.add_argument("--json", type=Path, default=None, metavar="FILE", help="write the table here as JSON")
+    parser.add_argument("--reference", type=Path, default=None, metavar="NPZ",
+                        help="the unquantized model's images (and the figures they are measured by): read from this "
+                             "file where it exists, made with the same model and settings, else made and written "
+                             "there before the formats' rows")
     parser.add_argument("--lora", action="append", default=[], metavar="FILE[:WEIGHT]",
                         help="a LoRA file (diffusers/PEFT, kohya or ComfyUI layout) fused into the model before "
                              "each format quantizes it; repeat for several")
@@ -68,7 +75,8 @@ def main(argv=None) -> int:
     from mxdit.cli import lora_flags
     from mxdit.model.inference import InferenceOptions, build_pipeline
     from mxdit.model.loading import CheckpointError
-    from mxdit.model.quality import format_table, quality_sheet, quality_table, read_prompts, table_json
+    from mxdit.model.quality import (ReferenceFileError, format_table, quality_sheet, quality_table, read_prompts,
+                                     table_json)
 
     if args.attention and not args.kernels:
         parser.error("--attention: only with --kernels (it adds rows to the inference path's)")
@@ -77,7 +85,7 @@ def main(argv=None) -> int:
     for flag, value in (("--size", size), ("--height", height), ("--width", width)):
         if value % 16 or value <= 0:
             parser.error(f"{flag} {value}: must be a positive multiple of 16")
-    for flag, path in (("--sheet", args.sheet), ("--json", args.json)):
+    for flag, path in (("--sheet", args.sheet), ("--json", args.json), ("--reference", args.reference)):
         if path is not None and not path.parent.is_dir():
             parser.error(f"{flag} {path}: folder {path.parent} does not exist")
     try:
@@ -106,11 +114,16 @@ def main(argv=None) -> int:
     except (CheckpointError, ValueError) as e:
         print(f"eval_quality.py: error: {e}", file=sys.stderr)
         return 2
-    rows = quality_table(pipe, args.formats, prompt_list, args.seeds, height=height, width=width,
-                         steps=args.steps or (2 if args.demo else None),
-                         max_sequence_length=args.max_sequence_length or (64 if args.demo else 512),
-                         guidance=args.guidance, activations=args.activations, kernels=args.kernels,
-                         attention=args.attention, clip=clip, batch_size=args.batch_size, progress=progress)
+    try:
+        rows = quality_table(pipe, args.formats, prompt_list, args.seeds, height=height, width=width,
+                             steps=args.steps or (2 if args.demo else None),
+                             max_sequence_length=args.max_sequence_length or (64 if args.demo else 512),
+                             guidance=args.guidance, activations=args.activations, kernels=args.kernels,
+                             attention=args.attention, clip=clip, batch_size=args.batch_size,
+                             reference_file=args.reference, progress=progress)
+    except ReferenceFileError as e:
+        print(f"eval_quality.py: error: {e}", file=sys.stderr)
+        return 2
     print(format_table(rows))
     if args.sheet is not None:
         from mxdit.model.loading import write_atomically

@@ -106,6 +106,50 @@ def test_each_formats_row_finds_the_transformers_weights_on_the_device_once():
         np.testing.assert_array_equal(np.asarray(value), before[key])
 
 
+def test_a_reference_file_is_written_then_read_and_refused_for_other_settings_or_weights(tmp_path):
+    """--reference: the first table writes the unquantized images there before the formats' rows; a later one reads
+    them and makes none, with the same figures; a file made with other settings or weights, or not one at all, is
+    refused, naming the file and what differs, and left as it was."""
+    from mxdit.model.inference import InferenceOptions, build_pipeline
+    from mxdit.model.loading import iter_params
+    from mxdit.model.quality import ReferenceFileError, quality_table
+    from mxdit.quant.model import set_params
+
+    pipe = build_pipeline(None, InferenceOptions(dtype="float32", stack=False))
+    file = tmp_path / "reference.npz"
+    lines = []
+
+    def table(**overrides):
+        lines.clear()
+        settings = dict(height=32, width=32, steps=1, max_sequence_length=16, reference_file=file,
+                        progress=lines.append)
+        return quality_table(pipe, ["fp8_e4m3"], ["a red fox"], [0], **{**settings, **overrides})
+
+    made = table()
+    assert file.exists() and f"reference: written to {file}" in lines
+    read = table()
+    assert not any(line.startswith("reference: seed") for line in lines)  # no reference image made
+    assert f"reference: read from {file} (made in {made[0].seconds:.1f} s)" in lines[0]
+    np.testing.assert_array_equal(read[0].images, made[0].images)
+    np.testing.assert_array_equal(read[1].images, made[1].images)
+    np.testing.assert_array_equal(read[1].step_cosines, made[1].step_cosines)
+    assert read[1].report == made[1].report
+    written = file.read_bytes()
+    with pytest.raises(ReferenceFileError, match=rf"--reference {file}: made with steps 1 \(this run: 2\)"):
+        table(steps=2)
+    with pytest.raises(ReferenceFileError, match="made with other prompts"):
+        quality_table(pipe, ["fp8_e4m3"], ["a blue bird"], [0], height=32, width=32, steps=1, max_sequence_length=16,
+                      reference_file=file)
+    key, value = max(iter_params(pipe.transformer), key=lambda item: item[1].size)  # one row of one tensor
+    set_params(pipe.transformer, {key: value.at[value.shape[0] // 2].add(1e-3)})
+    with pytest.raises(ReferenceFileError, match="made with other weights"):
+        table()
+    assert file.read_bytes() == written
+    (tmp_path / "other.npz").write_text("not an npz")
+    with pytest.raises(ReferenceFileError, match=f"--reference {tmp_path / 'other.npz'}: not one that eval_quality"):
+        table(reference_file=tmp_path / "other.npz")
+
+
 @pytest.mark.slow  # the tiny FLUX.1 pipeline per row
 def test_the_table_takes_flux_pipelines(tmp_path):
     """FLUX.1's table as Krea 2's: its own quantization rules, its transformer's call for the output check, its
