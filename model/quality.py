@@ -7,7 +7,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import jax
@@ -216,30 +216,31 @@ def quality_table(pipe: Krea2Pipeline | FluxPipeline, formats: Sequence[str], pr
     del params
     set_params(pipe.transformer, originals)
 
-    def variants_of(fmt: str, rules) -> list[tuple[str, nnx.Module]]:
-        """The transformers of a format's rows, by row name, on the device."""
+    def variants_of(fmt: str, rules) -> Iterator[tuple[str, nnx.Module]]:
+        """The transformers of a format's rows, by row name, on the device, each made when its row starts: the
+        device holds one variant's weights at a time (the W+A row and the attention row share their row before's)."""
         transformer = with_params(pipe.transformer, fake_quantize_model(originals, rules, pipe.transformer.dtype))
-        variants = [(fmt, transformer)]
+        yield fmt, transformer
         if activations:
-            variants.append((f"{fmt} W+A", quantize_activations(transformer, rules)))
+            yield f"{fmt} W+A", quantize_activations(transformer, rules)
+        del transformer
         if kernels and fmt in WEIGHT_FORMATS:  # (the formats the GEMM kernels take)
-            gemm = with_params(pipe.transformer, originals)
-            quantize_linear_layers(gemm, rules, kernels=True)
+            gemm = nnx.clone(pipe.transformer)  # its weights are the host copies: onto the device a weight at a time,
+            quantize_linear_layers(gemm, rules, kernels=True)  # quantized, and then the ones left as they are
+            set_params(gemm, {key: value for key, value in iter_params(gemm) if isinstance(value, np.ndarray)},
+                       cast=True)
             (flux_model if flux else krea2_model).stack_projections(gemm)  # as generate.py runs it
-            variants.append((f"{fmt} GEMM", gemm))
+            yield f"{fmt} GEMM", gemm
             if attention is not None:
                 with_attention = nnx.clone(gemm)
                 with_attention.attention = AttentionKernel(attention)
-                variants.append((f"{fmt} GEMM+{attention}", with_attention))
-        return variants
+                yield f"{fmt} GEMM+{attention}", with_attention
 
     try:
         for fmt in formats:
             start = time.perf_counter()
             rules = family_rules(fmt)
-            variants = variants_of(fmt, rules)
-            while variants:
-                name, model = variants.pop(0)
+            for name, model in variants_of(fmt, rules):
                 quantized = copy.copy(pipe)  # the same pipeline around the variant's transformer
                 quantized.transformer = model
                 candidate, changes = generate(quantized, name)

@@ -75,9 +75,10 @@ def test_demo_run_writes_the_table_the_json_and_the_sheet(tmp_path, capsys):
     assert f"--lora {tmp_path / 'style.safetensors'}: no such file" in capsys.readouterr().err
 
 
-def test_each_formats_row_finds_the_transformers_weights_on_the_device_once():
+def test_each_formats_row_finds_the_transformers_weights_on_the_device_once(monkeypatch):
     """While the formats' rows run, the unquantized weights wait on the host (a full-size model's weights fit the
-    device once, not twice), and the pipeline has them back at the end, the same values."""
+    device once, not twice): each row's variant is made when the row starts, the inference path's a weight at a time
+    (measured as each weight is quantized), and the pipeline has the weights back at the end, the same values."""
     import gc
 
     import jax
@@ -85,6 +86,7 @@ def test_each_formats_row_finds_the_transformers_weights_on_the_device_once():
     from mxdit.model.inference import InferenceOptions, build_pipeline
     from mxdit.model.loading import iter_params
     from mxdit.model.quality import quality_table
+    from mxdit.quant import model as quant_model
 
     pipe = build_pipeline(None, InferenceOptions(dtype="float32", stack=False))
     before = {key: np.array(value) for key, value in iter_params(pipe.transformer)}
@@ -95,10 +97,18 @@ def test_each_formats_row_finds_the_transformers_weights_on_the_device_once():
         row = line.split(":")[0]
         live[row] = max(live.get(row, 0), sum(a.nbytes for a in jax.live_arrays()))
 
+    quantized_weight = quant_model._quantized_weight
+
+    def measured_quantized_weight(weight, fmt, kernels):
+        measure("GEMM build:")
+        return quantized_weight(weight, fmt, kernels)
+
+    monkeypatch.setattr(quant_model, "_quantized_weight", measured_quantized_weight)
     quality_table(pipe, ["fp8_e4m3"], ["a red fox"], [0], height=32, width=32, steps=1, max_sequence_length=16,
-                  progress=measure)
-    assert live.keys() == {"reference", "fp8_e4m3"}
-    assert live["fp8_e4m3"] - live["reference"] < sum(v.nbytes for v in before.values()) / 2
+                  kernels=True, progress=measure)
+    assert live.keys() == {"reference", "fp8_e4m3", "GEMM build", "fp8_e4m3 GEMM"}
+    transformer = sum(v.nbytes for v in before.values())
+    assert all(live[row] - live["reference"] < transformer / 2 for row in live), (live, transformer)
     after = dict(iter_params(pipe.transformer))
     assert after.keys() == before.keys()
     for key, value in after.items():
