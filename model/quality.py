@@ -121,7 +121,8 @@ def quality_table(pipe: Krea2Pipeline | FluxPipeline, formats: Sequence[str], pr
                   max_sequence_length: int = 512, guidance: float | None = None, activations: bool = False,
                   kernels: bool = False, attention: str | None = None, clip=None, batch_size: int = 4,
                   reference_file: Path | None = None,
-                  progress: Callable[[str], None] | None = None) -> list[QualityRow]:
+                  progress: Callable[[str], None] | None = None,
+                  row_done: Callable[[list[QualityRow]], None] | None = None) -> list[QualityRow]:
     """The quality table of a Krea 2 or FLUX.1 pipeline: per format, SSIM and PSNR of the decoded images against
     the unquantized ones (all prompts x seeds side by side), the cosine of the transformer's output with the
     unquantized one's at each denoising step of those images, and cosine etc. of the transformer's output on fixed
@@ -138,8 +139,10 @@ def quality_table(pipe: Krea2Pipeline | FluxPipeline, formats: Sequence[str], pr
     this file where it exists (`ReferenceRun`; `ReferenceFileError` where other settings or weights made it), else
     made and written there before the formats' rows: a later table of other formats, or one after a crash, reuses
     them.
-    `progress(line)`: told of each batch of images made and each row finished."""
+    `progress(line)`: told of each batch of images made and each row finished; `row_done(rows)`: given the rows so
+    far as each one is finished (a long table's finished rows outlive a failure in a later one)."""
     report = progress or (lambda line: None)
+    done = row_done or (lambda rows: None)
     flux = isinstance(pipe, FluxPipeline)
     family_rules = flux_rules if flux else krea2_rules
     kwargs = dict(height=height, width=width, num_inference_steps=steps, max_sequence_length=max_sequence_length,
@@ -208,6 +211,7 @@ def quality_table(pipe: Krea2Pipeline | FluxPipeline, formats: Sequence[str], pr
     rows = [QualityRow("reference", weight_bytes(shapes, []), None, reference_images, scores(reference_images),
                        seconds=reference.seconds + time.perf_counter() - start)]
     report(f"reference: {rows[-1].seconds:.1f} s")
+    done(rows)
     # The formats' weights are made from a host copy of the unquantized ones, which leave the device meanwhile: the
     # device holds a full-size transformer's weights once, as for the reference row (twice, Krea 2's do not fit what
     # JAX takes of an 80 GB GPU beside its text encoder and VAE). The pipeline has them back on the device at the end.
@@ -248,6 +252,7 @@ def quality_table(pipe: Krea2Pipeline | FluxPipeline, formats: Sequence[str], pr
                 rows.append(QualityRow(name, weight_bytes(shapes, rules), gate, candidate, scores(candidate),
                                        step_cosines(changes, reference_changes), time.perf_counter() - start))
                 report(f"{name}: {rows[-1].seconds:.1f} s")
+                done(rows)
                 start = time.perf_counter()
                 del model, quantized  # this variant's weights leave the device before the next one's are made
     finally:

@@ -9,14 +9,14 @@
         --reference krea2-coco100.npz     # the reference images once: later runs of other formats read them
     python scripts/eval_quality.py --demo        # the built-in random-weight model: exercises the path, no quality claim
 
-Prints, per format: SSIM and PSNR of the decoded images against the unquantized ones, the transformer output's
-cosine and relative L2 on fixed inputs and its lowest cosine step by step along the images' denoising, the weight
-bytes, and whether the format passes its gate (quant/gates.py). With `--lora`, the LoRAs are fused into the
-unquantized weights first, so that every format quantizes the fused weights (generate.py --fuse-lora). `--prompts`
-takes a text file (a prompt a line) or `coco100`, 100 everyday scenes written for this table; `--sheet` writes a
-contact sheet (a row a prompt, a column a format, each image captioned with its SSIM, PSNR and, with `--clip DIR`,
-its CLIP score), `--json` the table. `--reference FILE.npz` keeps the unquantized model's images: a later run of
-other formats with the same model and settings reads them instead of making them again.
+Prints, per format: SSIM and PSNR of the decoded images against the unquantized ones, the transformer output's cosine
+and relative L2 on fixed inputs and its lowest cosine step by step along the images' denoising, the weight bytes, and
+whether the format passes its gate (quant/gates.py). With `--lora`, the LoRAs are fused into the unquantized weights
+first, so that every format quantizes the fused weights (generate.py --fuse-lora). `--prompts` takes a text file (a
+prompt a line) or `coco100`, 100 everyday scenes written for this table; `--sheet` writes a contact sheet (a row a
+prompt, a column a format, each image captioned with its SSIM, PSNR and, with `--clip DIR`, its CLIP score), `--json`
+the table (rewritten as each row is finished). `--reference FILE.npz` keeps the unquantized model's images: a later
+run of other formats with the same model and settings reads them instead of making them again.
 """
 
 from __future__ import annotations
@@ -45,7 +45,8 @@ def main(argv=None) -> int:
                         help="a transformers CLIP folder (openai/clip-vit-base-patch16 in the seeds' protocol): each "
                              "image's CLIP score with its prompt, gated at a drop of 0.5 from the reference")
     parser.add_argument("--sheet", type=Path, default=None, metavar="PNG", help="write the contact sheet here")
-    parser.add_argument("--json", type=Path, default=None, metavar="FILE", help="write the table here as JSON")
+    parser.add_argument("--json", type=Path, default=None, metavar="FILE",
+                        help="write the table here as JSON, after each row")
     parser.add_argument("--reference", type=Path, default=None, metavar="NPZ",
                         help="the unquantized model's images (and the figures they are measured by): read from this "
                              "file where it exists, made with the same model and settings, else made and written "
@@ -114,13 +115,21 @@ def main(argv=None) -> int:
     except (CheckpointError, ValueError) as e:
         print(f"eval_quality.py: error: {e}", file=sys.stderr)
         return 2
+    def write_json(rows) -> None:  # after each row: a later row's failure leaves the rows before it in the file
+        import json
+
+        from mxdit.model.loading import write_atomically
+
+        write_atomically(args.json, lambda tmp: tmp.write_text(json.dumps(table_json(rows), indent=1)))
+
     try:
         rows = quality_table(pipe, args.formats, prompt_list, args.seeds, height=height, width=width,
                              steps=args.steps or (2 if args.demo else None),
                              max_sequence_length=args.max_sequence_length or (64 if args.demo else 512),
                              guidance=args.guidance, activations=args.activations, kernels=args.kernels,
                              attention=args.attention, clip=clip, batch_size=args.batch_size,
-                             reference_file=args.reference, progress=progress)
+                             reference_file=args.reference, progress=progress,
+                             row_done=write_json if args.json is not None else None)
     except ReferenceFileError as e:
         print(f"eval_quality.py: error: {e}", file=sys.stderr)
         return 2
@@ -136,11 +145,6 @@ def main(argv=None) -> int:
         write_atomically(args.sheet, lambda tmp: sheet.save(tmp, format="PNG"))
         print(f"wrote {args.sheet} ({len(prompt_list)} prompts x {len(rows)} columns)")
     if args.json is not None:
-        import json
-
-        from mxdit.model.loading import write_atomically
-
-        write_atomically(args.json, lambda tmp: tmp.write_text(json.dumps(table_json(rows), indent=1)))
         print(f"wrote {args.json}")
     return 0
 

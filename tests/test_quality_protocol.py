@@ -117,9 +117,10 @@ def test_each_formats_row_finds_the_transformers_weights_on_the_device_once(monk
 
 
 def test_a_reference_file_is_written_then_read_and_refused_for_other_settings_or_weights(tmp_path):
-    """--reference: the first table writes the unquantized images there before the formats' rows; a later one reads
-    them and makes none, with the same figures; a file made with other settings or weights, or not one at all, is
-    refused, naming the file and what differs, and left as it was."""
+    """--reference: the first table writes the unquantized images there before the formats' rows (and hands each
+    row over as it is finished, as --json is written); a later one reads them and makes none, with the same
+    figures; a file made with other settings or weights, or not one at all, is refused, naming the file and what
+    differs, and left as it was."""
     from mxdit.model.inference import InferenceOptions, build_pipeline
     from mxdit.model.loading import iter_params
     from mxdit.model.quality import ReferenceFileError, quality_table
@@ -127,16 +128,17 @@ def test_a_reference_file_is_written_then_read_and_refused_for_other_settings_or
 
     pipe = build_pipeline(None, InferenceOptions(dtype="float32", stack=False))
     file = tmp_path / "reference.npz"
-    lines = []
+    lines, finished = [], []
 
     def table(**overrides):
         lines.clear()
         settings = dict(height=32, width=32, steps=1, max_sequence_length=16, reference_file=file,
-                        progress=lines.append)
+                        progress=lines.append, row_done=lambda rows: finished.append([r.fmt for r in rows]))
         return quality_table(pipe, ["fp8_e4m3"], ["a red fox"], [0], **{**settings, **overrides})
 
     made = table()
     assert file.exists() and f"reference: written to {file}" in lines
+    assert finished == [["reference"], ["reference", "fp8_e4m3"]]  # told of each row as it is finished
     read = table()
     assert not any(line.startswith("reference: seed") for line in lines)  # no reference image made
     assert f"reference: read from {file} (made in {made[0].seconds:.1f} s)" in lines[0]
