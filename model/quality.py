@@ -192,10 +192,11 @@ def quality_table(pipe: Krea2Pipeline | FluxPipeline, formats: Sequence[str], pr
 
     params = dict(iter_params(pipe.transformer))
     shapes = {k: (tuple(v.shape), v.dtype) for k, v in params.items()}
-    settings = {"pipeline": type(pipe).__name__, "weights": weights_fingerprint(params), "prompts": list(prompts),
-                "seeds": list(seeds), "height": height, "width": width, "steps": steps,
-                "max_sequence_length": max_sequence_length, "guidance": guidance, "batch_size": batch_size,
-                "attention": AttentionKernel(pipe.transformer.attention).value, "device": jax.devices()[0].device_kind}
+    settings = None if reference_file is None else {  # what a reference file is made with
+        "pipeline": type(pipe).__name__, "weights": weights_fingerprint(params), "prompts": list(prompts),
+        "seeds": list(seeds), "height": height, "width": width, "steps": steps,
+        "max_sequence_length": max_sequence_length, "guidance": guidance, "batch_size": batch_size,
+        "attention": AttentionKernel(pipe.transformer.attention).value, "device": jax.devices()[0].device_kind}
     start = time.perf_counter()
     if reference_file is not None and Path(reference_file).exists():
         reference = read_reference(reference_file, settings)
@@ -268,8 +269,9 @@ class ReferenceFileError(ValueError):
 class ReferenceRun:
     """The unquantized model's share of a quality table, which every format's row is measured against: its images
     (as `QualityRow.images`), each denoising step's change of the latents, its transformer's output on the fixed
-    inputs, the seconds they took, and the settings that made them (a table reuses them only for the same)."""
-    settings: dict
+    inputs, the seconds they took, and the settings that made them (a table reuses them only for the same; None for a
+    run that no file keeps)."""
+    settings: dict | None
     images: np.ndarray
     changes: np.ndarray
     velocity: np.ndarray
