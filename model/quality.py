@@ -194,7 +194,7 @@ def quality_table(pipe: Krea2Pipeline | FluxPipeline, formats: Sequence[str], pr
     shapes = {k: (tuple(v.shape), v.dtype) for k, v in params.items()}
     settings = None if reference_file is None else {  # what a reference file is made with
         "pipeline": type(pipe).__name__, "weights": weights_fingerprint(params), "prompts": list(prompts),
-        "seeds": list(seeds), "height": height, "width": width, "steps": steps,
+        "seeds": [int(seed) for seed in seeds], "height": height, "width": width, "steps": steps,
         "max_sequence_length": max_sequence_length, "guidance": guidance, "batch_size": batch_size,
         "attention": AttentionKernel(pipe.transformer.attention).value, "device": jax.devices()[0].device_kind}
     start = time.perf_counter()
@@ -325,6 +325,8 @@ def read_reference(path: Path, settings: dict) -> ReferenceRun:
         with np.load(path, allow_pickle=False) as data:
             run = ReferenceRun(json.loads(str(data["settings"])), data["images"], data["changes"], data["velocity"],
                                float(data["seconds"]))
+        if not isinstance(run.settings, dict):
+            raise ValueError("no settings")
     except (OSError, KeyError, ValueError, zipfile.BadZipFile) as e:
         raise ReferenceFileError(f"--reference {path}: not one that eval_quality.py wrote ({e})") from None
     differ = [key for key in sorted(settings.keys() | run.settings.keys())
