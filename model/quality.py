@@ -207,7 +207,7 @@ def quality_table(pipe: Krea2Pipeline | FluxPipeline, formats: Sequence[str], pr
         if reference_file is not None:
             write_reference(reference_file, reference)
             report(f"reference: written to {reference_file}")
-        start = time.perf_counter()
+    start = time.perf_counter()  # the row's seconds: the reference's making, then this run's CLIP scores
     reference_images, reference_changes, reference_velocity = reference.images, reference.changes, reference.velocity
     rows = [QualityRow("reference", weight_bytes(shapes, []), None, reference_images, scores(reference_images),
                        seconds=reference.seconds + time.perf_counter() - start)]

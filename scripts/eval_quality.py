@@ -75,7 +75,7 @@ def main(argv=None) -> int:
 
     from mxdit.cli import lora_flags
     from mxdit.model.inference import InferenceOptions, build_pipeline
-    from mxdit.model.loading import CheckpointError
+    from mxdit.model.loading import CheckpointError, write_atomically
     from mxdit.model.quality import (ReferenceFileError, format_table, quality_sheet, quality_table, read_prompts,
                                      table_json)
 
@@ -115,10 +115,9 @@ def main(argv=None) -> int:
     except (CheckpointError, ValueError) as e:
         print(f"eval_quality.py: error: {e}", file=sys.stderr)
         return 2
+
     def write_json(rows) -> None:  # after each row: a later row's failure leaves the rows before it in the file
         import json
-
-        from mxdit.model.loading import write_atomically
 
         write_atomically(args.json, lambda tmp: tmp.write_text(json.dumps(table_json(rows), indent=1)))
 
@@ -135,8 +134,6 @@ def main(argv=None) -> int:
         return 2
     print(format_table(rows))
     if args.sheet is not None:
-        from mxdit.model.loading import write_atomically
-
         title = ("demo model, RANDOM weights: the figures show the machinery, not a format's quality" if args.demo
                  else f"{args.model.name}: each format against the unquantized model, seed {args.seeds[0]}")
         if loras:
