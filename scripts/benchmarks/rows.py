@@ -41,7 +41,8 @@ def subprocess_rows(args, command: str, forwarded: list[str], env: dict | None =
     rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     if proc.returncode:
         tail = " | ".join(stderr.strip().splitlines()[-3:])[-600:] if stderr else "failed"
-        rows.append({"name": command, "error": f"exit {proc.returncode}: {tail}"})
+        # named by its command line: a variant that fails before its row names itself
+        rows.append({"name": " ".join([command, *forwarded]), "error": f"exit {proc.returncode}: {tail}"})
     return rows
 
 
