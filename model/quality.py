@@ -48,6 +48,14 @@ class QualityRow:
         return None if self.clip_scores is None else float(np.mean(self.clip_scores))
 
 
+def each_image(images: np.ndarray, width: int) -> np.ndarray:
+    """A row's images (prompts, height, width * seeds, 3), each prompt's seeds side by side, as one batch
+    (prompts * seeds, height, width, 3): prompt by prompt, seed by seed."""
+    prompts, height, side_by_side, channels = images.shape
+    return (images.reshape(prompts, height, side_by_side // width, width, channels).swapaxes(1, 2)
+            .reshape(-1, height, width, channels))
+
+
 CLIP_MAX_DROP = 0.5  # a format may lose this much mean CLIP score against the reference (AMD Quark's MXFP4 bound)
 
 
@@ -124,12 +132,12 @@ def quality_table(pipe: Krea2Pipeline | FluxPipeline, formats: Sequence[str], pr
                   progress: Callable[[str], None] | None = None,
                   row_done: Callable[[list[QualityRow]], None] | None = None) -> list[QualityRow]:
     """The quality table of a Krea 2 or FLUX.1 pipeline: per format, SSIM and PSNR of the decoded images against
-    the unquantized ones (all prompts x seeds side by side), the cosine of the transformer's output with the
-    unquantized one's at each denoising step of those images, and cosine etc. of the transformer's output on fixed
-    inputs. `guidance`: the pipeline's guidance scale (None: its default; FLUX.1-dev's embedded guidance, Krea 2's
-    CFG). `clip`: (CLIPModel, its tokenizer) from `clip.load_clip`, for each image's CLIP score with its prompt.
-    `batch_size`: prompts per pipeline call; each image's noise is its seed's alone, so the images do not depend on it
-    (but for the float rounding of another batch shape).
+    the unquantized ones (SSIM: the mean of each image's; PSNR: of all their pixels together), the cosine of the
+    transformer's output with the unquantized one's at each denoising step of those images, and cosine etc. of the
+    transformer's output on fixed inputs. `guidance`: the pipeline's guidance scale (None: its default; FLUX.1-dev's
+    embedded guidance, Krea 2's CFG). `clip`: (CLIPModel, its tokenizer) from `clip.load_clip`, for each image's CLIP
+    score with its prompt. `batch_size`: prompts per pipeline call; each image's noise is its seed's alone, so the
+    images do not depend on it (but for the float rounding of another batch shape).
     Weights only, or with `activations` also the inputs of the quantized layers (rows named `fmt W+A`, the inputs
     in the weights' format), or with `kernels` the inference path itself (rows `fmt GEMM`: `quantize_linear_layers`,
     the GEMM kernels' numerics with activations per token in FP8, or INT8 for INT8 weights, the projections stacked
@@ -154,8 +162,8 @@ def quality_table(pipe: Krea2Pipeline | FluxPipeline, formats: Sequence[str], pr
             return None
         from .clip import clip_scores
 
-        tiles = [images[p, :, s * width:(s + 1) * width] for p in range(len(prompts)) for s in range(len(seeds))]
-        return clip_scores(*clip, tiles, [p for p in prompts for _ in seeds]).reshape(len(prompts), len(seeds))
+        return clip_scores(*clip, list(each_image(images, width)),
+                           [p for p in prompts for _ in seeds]).reshape(len(prompts), len(seeds))
 
     def generate(p, name: str) -> tuple[np.ndarray, np.ndarray]:
         """The images (prompts, height, width * seeds, 3) uint8, and each denoising step's change of the latents
@@ -249,7 +257,8 @@ def quality_table(pipe: Krea2Pipeline | FluxPipeline, formats: Sequence[str], pr
                 quantized = copy.copy(pipe)  # the same pipeline around the variant's transformer
                 quantized.transformer = model
                 candidate, changes = generate(quantized, name)
-                gate = evaluate(fmt, velocity(model), reference_velocity, candidate, reference_images)
+                gate = evaluate(fmt, velocity(model), reference_velocity, each_image(candidate, width),
+                                each_image(reference_images, width))  # SSIM image by image
                 rows.append(QualityRow(name, weight_bytes(shapes, rules), gate, candidate, scores(candidate),
                                        step_cosines(changes, reference_changes), time.perf_counter() - start))
                 report(f"{name}: {rows[-1].seconds:.1f} s")

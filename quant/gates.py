@@ -31,39 +31,44 @@ def nonfinite_count(x) -> int:
 
 
 def psnr(image, reference, data_range: float = 255.0) -> float:
-    """Peak signal-to-noise ratio in dB of two images of one shape (inf when equal)."""
+    """Peak signal-to-noise ratio in dB of two images, or batches of them, of one shape: of the mean squared error
+    over all their pixels (inf when equal)."""
     mse = np.mean((np.asarray(image, np.float64) - np.asarray(reference, np.float64)) ** 2)
     return float("inf") if mse == 0 else float(10 * np.log10(data_range**2 / mse))
 
 
 def _gaussian_filter(x: np.ndarray, sigma: float = 1.5, radius: int = 5) -> np.ndarray:
-    """Separable Gaussian blur of an (h, w) array over its valid region (window 2 * radius + 1)."""
+    """Separable Gaussian blur of the last two axes (h, w) of `x` over their valid region (window 2 * radius + 1)."""
     t = np.arange(-radius, radius + 1)
     k = np.exp(-(t**2) / (2 * sigma**2))
     k /= k.sum()
-    x = np.apply_along_axis(lambda r: np.convolve(r, k, mode="valid"), 1, x)
-    return np.apply_along_axis(lambda c: np.convolve(c, k, mode="valid"), 0, x)
+    windows = np.lib.stride_tricks.sliding_window_view
+    x = windows(x, k.size, axis=-1) @ k  # (the kernel is symmetric: correlation is convolution)
+    return windows(x, k.size, axis=-2) @ k
 
 
 def ssim(image, reference, data_range: float = 255.0) -> float:
     """Structural similarity (Wang et al. 2004): 11x11 Gaussian window, sigma 1.5, K1 0.01, K2 0.03, averaged over
-    the valid region and the channels of (h, w) or (h, w, c) images."""
-    a, b = np.asarray(image, np.float64), np.asarray(reference, np.float64)
+    the valid region and the channels of (h, w) or (h, w, c) images; of a batch (n, h, w, c), the mean of its
+    images' SSIMs (a window never spans two images)."""
+    a, b = np.asarray(image), np.asarray(reference)
     if a.shape != b.shape:
         raise ValueError(f"images differ in shape: {a.shape} vs {b.shape}")
+    if a.ndim == 4:
+        return float(np.mean([ssim(x, y, data_range) for x, y in zip(a, b)]))  # an image at a time: float64 copies
+    if a.ndim not in (2, 3):
+        raise ValueError(f"images of shape {a.shape}: expected (h, w), (h, w, c) or a batch (n, h, w, c)")
+    a, b = a.astype(np.float64), b.astype(np.float64)
     if a.ndim == 2:
         a, b = a[..., None], b[..., None]
+    x, y = np.moveaxis(a, -1, 0), np.moveaxis(b, -1, 0)  # (c, h, w): the channels filtered together
     c1, c2 = (0.01 * data_range) ** 2, (0.03 * data_range) ** 2
-    values = []
-    for ch in range(a.shape[-1]):
-        x, y = a[..., ch], b[..., ch]
-        mx, my = _gaussian_filter(x), _gaussian_filter(y)
-        vx = _gaussian_filter(x * x) - mx * mx
-        vy = _gaussian_filter(y * y) - my * my
-        cxy = _gaussian_filter(x * y) - mx * my
-        s = ((2 * mx * my + c1) * (2 * cxy + c2)) / ((mx * mx + my * my + c1) * (vx + vy + c2))
-        values.append(s.mean())
-    return float(np.mean(values))
+    mx, my = _gaussian_filter(x), _gaussian_filter(y)
+    vx = _gaussian_filter(x * x) - mx * mx
+    vy = _gaussian_filter(y * y) - my * my
+    cxy = _gaussian_filter(x * y) - mx * my
+    s = ((2 * mx * my + c1) * (2 * cxy + c2)) / ((mx * mx + my * my + c1) * (vx + vy + c2))
+    return float(s.mean())  # each channel's valid region has the same size: the mean of the channels' means
 
 
 @dataclasses.dataclass(frozen=True)

@@ -47,6 +47,15 @@ def test_contact_sheet_puts_each_image_under_its_column_with_its_caption():
         contact_sheet([images[0], images[1][:2] + [images[1][2][:8]]], ["a", "b"], ["x", "y", "z"])
 
 
+def test_each_image_takes_the_seeds_apart_prompt_by_prompt():
+    from mxdit.model.quality import each_image
+
+    images = np.arange(2 * 3 * 4 * 5 * 3, dtype=np.uint8).reshape(2 * 3, 4, 5, 3)  # prompt-major, 3 seeds
+    side_by_side = images.reshape(2, 3, 4, 5, 3).swapaxes(1, 2).reshape(2, 4, 3 * 5, 3)
+    np.testing.assert_array_equal(side_by_side[1, :, 5:10], images[4])  # the second prompt's second seed
+    np.testing.assert_array_equal(each_image(side_by_side, 5), images)
+
+
 @pytest.mark.slow  # a demo run per format
 def test_demo_run_writes_the_table_the_json_and_the_sheet(tmp_path, capsys):
     spec = importlib.util.spec_from_file_location("eval_quality",
@@ -201,6 +210,15 @@ def test_the_table_steps_through_the_denoising_and_takes_fused_loras():
     again = quality_table(pipe, ["mxfp4_e2m1"], prompts, [0, 5], batch_size=3, **settings)
     for row, same in zip(rows, again):
         assert np.abs(row.images.astype(int) - same.images).max() <= 1
+    # SSIM: the mean of each image's, against the reference's (no window spans two seeds' images); PSNR: of all
+    metrics = pytest.importorskip("skimage.metrics")  # the pixels together
+    tiles = [[row.images[p, :, s * 32:(s + 1) * 32].astype(np.float64) for row in rows] for p in range(3)
+             for s in range(2)]
+    expected = [metrics.structural_similarity(*pair, data_range=255, channel_axis=-1, gaussian_weights=True,
+                                              sigma=1.5, use_sample_covariance=False) for pair in tiles]
+    assert rows[1].report.ssim == pytest.approx(np.mean(expected), abs=1e-9)
+    assert rows[1].report.psnr == pytest.approx(
+        metrics.peak_signal_noise_ratio(rows[0].images, rows[1].images, data_range=255), abs=1e-9)
     cosines = rows[1].step_cosines
     assert cosines.shape == (3,) and np.all((0.5 < cosines) & (cosines < 1.0))
     assert table_json(rows)[1]["step_cosines"] == list(cosines) and f"{cosines.min():10.6f}" in format_table(rows)

@@ -94,6 +94,21 @@ def test_ssim_and_psnr_match_scikit_image():
     assert ssim(image, image) == pytest.approx(1.0) and psnr(image, image) == float("inf")
 
 
+def test_ssim_of_a_batch_is_the_mean_of_its_images_ssims():
+    """A batch (n, h, w, c) is n images, not one volume: no window spans two of them."""
+    metrics = pytest.importorskip("skimage.metrics")
+    data = pytest.importorskip("skimage.data")
+    rng = np.random.default_rng(0)
+    images = np.stack([np.roll(data.astronaut()[:64, :80], 9 * i, axis=1) for i in range(3)])
+    noisy = np.clip(images + rng.normal(0, 12, images.shape), 0, 255).astype(np.uint8)
+    expected = [metrics.structural_similarity(a.astype(np.float64), b.astype(np.float64), data_range=255,
+                                              channel_axis=-1, gaussian_weights=True, sigma=1.5,
+                                              use_sample_covariance=False) for a, b in zip(images, noisy)]
+    assert ssim(noisy, images) == pytest.approx(np.mean(expected), abs=1e-9)
+    with pytest.raises(ValueError, match=r"images of shape \(2, 3, 64, 80, 3\)"):
+        ssim(np.stack([images[:3]] * 2), np.stack([images[:3]] * 2))
+
+
 def test_gate_admits_a_close_output_and_refuses_a_broken_one_with_figures():
     rng = np.random.default_rng(1)
     reference = rng.standard_normal(4096)
