@@ -21,6 +21,7 @@ ours (FLUX's qkv, linear1) is split by rows of B (A is shared). Keys that match 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import re
@@ -360,7 +361,6 @@ def fused_update_loss(model: nnx.Module, loras, rules) -> float:
     W - update, each quantized and dequantized; the relative L2 of their difference against the update, over all
     those layers. 0: the update survives exactly; 1: its error is as large as the update (a small update can round
     away entirely in INT8 or 4-bit storage). 0.0 where the rules quantize none of them."""
-    from mxdit.quant.formats import quantize
     from mxdit.quant.model import format_for
 
     layers = dict(linear_layers(model))
@@ -370,11 +370,20 @@ def fused_update_loss(model: nnx.Module, loras, rules) -> float:
         fmt = format_for(name + ".weight", tuple(fused.shape), rules)
         if not fmt:
             continue
-        update = jnp.asarray(sum(w * u.delta() for u, w in updates))
-        survived = quantize(fused, fmt).dequantize() - quantize(fused - update, fmt).dequantize()
-        error += float(jnp.sum(jnp.square(survived - update)))
-        total += float(jnp.sum(jnp.square(update)))
+        layer_error, layer_total = _update_rounding(fused, jnp.asarray(sum(w * u.delta() for u, w in updates)), fmt)
+        error += float(layer_error)
+        total += float(layer_total)
     return (error / total) ** 0.5 if total else 0.0
+
+
+@functools.partial(jax.jit, static_argnames="fmt")
+def _update_rounding(fused: jax.Array, update: jax.Array, fmt: str) -> tuple[jax.Array, jax.Array]:
+    """The squared error of `update` as quantizing W = `fused` and W - update in `fmt` leaves it, and its squared
+    norm (one program a shape and format)."""
+    from mxdit.quant.formats import quantize
+
+    survived = quantize(fused, fmt).dequantize() - quantize(fused - update, fmt).dequantize()
+    return jnp.sum(jnp.square(survived - update)), jnp.sum(jnp.square(update))
 
 
 class LoraSlots:
@@ -423,14 +432,19 @@ def lora_slots(model: nnx.Module, files: Mapping[str, str | Path | LoraFile]) ->
 def _fuse(layer, delta: np.ndarray) -> None:
     weight = layer.weight.get_value()
     if hasattr(weight, "dequantize"):
-        from mxdit.quant.formats import quantize
-
         per_tensor = weight.format.kind == "fp8" and weight.scale.size == 1
-        fused = weight.dequantize(jnp.float32) + jnp.asarray(delta)
-        layer.weight.set_value(jax.jit(quantize, static_argnames=("fmt", "axis", "per_tensor"))(
-            fused, fmt=weight.fmt, axis=weight.axis, per_tensor=per_tensor))
+        layer.weight.set_value(_fused_quantized(weight, jnp.asarray(delta), per_tensor=per_tensor))
     else:
         layer.weight.set_value((weight.astype(jnp.float32) + jnp.asarray(delta)).astype(weight.dtype))
+
+
+@functools.partial(jax.jit, static_argnames="per_tensor")
+def _fused_quantized(weight, delta: jax.Array, per_tensor: bool):
+    """A quantized weight plus `delta`, quantized again in its format (one program a shape and format: op by op,
+    every operation of the dequantization and the quantization would compile for each new shape)."""
+    from mxdit.quant.formats import quantize
+
+    return quantize(weight.dequantize(jnp.float32) + delta, weight.fmt, weight.axis, per_tensor=per_tensor)
 
 
 # --------------------------------------------------------------------------------------------------------------------
