@@ -221,6 +221,7 @@ def quality_table(pipe: Krea2Pipeline | FluxPipeline, formats: Sequence[str], pr
                        seconds=reference.seconds + time.perf_counter() - start)]
     report(f"reference: {rows[-1].seconds:.1f} s")
     done(rows)
+    reference_each = each_image(reference_images, width)  # what every row's images are measured against, one by one
     # The formats' weights are made from a host copy of the unquantized ones, which leave the device meanwhile: the
     # device holds a full-size transformer's weights once, as for the reference row (twice, Krea 2's do not fit what
     # JAX takes of an 80 GB GPU beside its text encoder and VAE). The pipeline has them back on the device at the end.
@@ -258,7 +259,7 @@ def quality_table(pipe: Krea2Pipeline | FluxPipeline, formats: Sequence[str], pr
                 quantized.transformer = model
                 candidate, changes = generate(quantized, name)
                 gate = evaluate(fmt, velocity(model), reference_velocity, each_image(candidate, width),
-                                each_image(reference_images, width))  # SSIM image by image
+                                reference_each)  # SSIM image by image
                 rows.append(QualityRow(name, weight_bytes(shapes, rules), gate, candidate, scores(candidate),
                                        step_cosines(changes, reference_changes), time.perf_counter() - start))
                 report(f"{name}: {rows[-1].seconds:.1f} s")
