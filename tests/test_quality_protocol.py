@@ -210,8 +210,9 @@ def test_the_table_steps_through_the_denoising_and_takes_fused_loras():
     again = quality_table(pipe, ["mxfp4_e2m1"], prompts, [0, 5], batch_size=3, **settings)
     for row, same in zip(rows, again):
         assert np.abs(row.images.astype(int) - same.images).max() <= 1
-    # SSIM: the mean of each image's, against the reference's (no window spans two seeds' images); PSNR: of all
-    metrics = pytest.importorskip("skimage.metrics")  # the pixels together
+    # SSIM: the mean of each image's against the reference's (no window spans two seeds' images); PSNR: of all the
+    # pixels together
+    metrics = pytest.importorskip("skimage.metrics")
     tiles = [[row.images[p, :, s * 32:(s + 1) * 32].astype(np.float64) for row in rows] for p in range(3)
              for s in range(2)]
     expected = [metrics.structural_similarity(*pair, data_range=255, channel_axis=-1, gaussian_weights=True,
